@@ -1,0 +1,106 @@
+"""Per-token log-probabilities, entropy and prompt/response tokenisation (CS336 A5 §4.2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits are reduced in float32; float32/float64 stay as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy (nats) of the softmax over the last dimension: (..., V) -> (...).
+
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, which stays finite for large logits.
+    """
+    logits = _upcast(logits)
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return lse - (probs * logits).sum(dim=-1)
+
+
+def _log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # One logsumexp serves both outputs; the (B, T, V) log-softmax is never materialised.
+    logits = _upcast(logits)
+    lse = torch.logsumexp(logits, dim=-1)
+    label_logits = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    log_probs = label_logits - lse
+    entropy = None
+    if return_token_entropy:
+        probs = torch.exp(logits - lse.unsqueeze(-1))
+        entropy = lse - (probs * logits).sum(dim=-1)
+    return log_probs, entropy
+
+
+def get_response_log_probs(
+    model: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    *,
+    attention_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Log-probabilities of ``labels`` under a causal LM (CS336 A5 ``get_response_log_probs``).
+
+    Returns ``{"log_probs": (B, T)}`` and, when asked, ``"token_entropy": (B, T)``. No masking and
+    no ``no_grad`` here: the caller decides. ``attention_mask`` (keyword-only, optional) is passed
+    to the model; right-padded batches do not need it for the non-pad positions.
+    """
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    logits = model(input_ids, **kwargs).logits
+    log_probs, entropy = _log_probs_and_entropy(logits, labels, return_token_entropy)
+    out = {"log_probs": log_probs}
+    if return_token_entropy:
+        out["token_entropy"] = entropy
+    return out
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer: Any
+) -> dict[str, torch.Tensor]:
+    """Tokenise prompts and outputs separately and build shifted LM inputs (CS336 A5).
+
+    Returns ``input_ids`` (B, L-1), ``labels`` (B, L-1) and ``response_mask`` (B, L-1, bool), where
+    L is the longest prompt+output length; sequences are right-padded with the pad id (eos when the
+    tokenizer has no pad token). ``response_mask`` is true where the label is an output token.
+    """
+    if len(prompt_strs) != len(output_strs):
+        raise ValueError(f"got {len(prompt_strs)} prompts but {len(output_strs)} outputs")
+    prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
+    return build_sequences(prompt_ids, output_ids, pad_token_id(tokenizer))
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, falling back to eos (as CS336 and most causal LMs do)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise ValueError("tokenizer has neither a pad token nor an eos token")
+    return int(pad)
+
+
+def build_sequences(
+    prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Concatenate token-id lists, right-pad, shift: the tensor half of ``tokenize_prompt_and_output``.
+
+    Trainers call this with the exact sampled token ids, so nothing is re-tokenised.
+    """
+    lengths = [len(p) + len(o) for p, o in zip(prompt_ids, output_ids)]
+    max_len = max(lengths)
+    batch = len(lengths)
+    full = torch.full((batch, max_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, max_len), dtype=torch.bool)
+    for i, (p, o) in enumerate(zip(prompt_ids, output_ids)):
+        n_p, n_o = len(p), len(o)
+        full[i, : n_p + n_o] = torch.tensor(list(p) + list(o), dtype=torch.long)
+        mask[i, n_p : n_p + n_o] = True
+    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}

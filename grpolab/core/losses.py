@@ -1,0 +1,122 @@
+"""Per-token policy-gradient losses (CS336 A5 §7.2), PPO value loss, DPO loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
+
+
+def _as_column(x: torch.Tensor) -> torch.Tensor:
+    """(B,) or (B, 1) -> (B, 1), so per-sequence scalars broadcast over tokens."""
+    return x.unsqueeze(-1) if x.dim() == 1 else x
+
+
+def compute_naive_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE per-token loss ``-A * log pi(o_t)`` (Williams 1992; CS336 A5), A broadcast (B,1)->(B,T)."""
+    return -_as_column(raw_rewards_or_advantages).to(policy_log_probs.dtype) * policy_log_probs
+
+
+def compute_grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float,
+    *,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped surrogate per token (Schulman et al. 2017 eq. 7; Shao et al. 2024 eq. 3).
+
+    ``ratio = exp(new - old)``; ``loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``
+    with ``eps_low = cliprange_low`` and ``eps_high = cliprange_high`` when given (DAPO's
+    asymmetric "clip-higher", Yu et al. 2025), else ``cliprange``. Metadata: ``clipped`` (bool,
+    where the clipped term is the smaller one) and ``ratio``.
+    """
+    eps_low = cliprange if cliprange_low is None else cliprange_low
+    eps_high = cliprange if cliprange_high is None else cliprange_high
+    if eps_low is None or eps_high is None:
+        raise ValueError("cliprange is required for the clipped loss")
+    adv = _as_column(advantages).to(policy_log_probs.dtype)
+    ratio = torch.exp(policy_log_probs - old_log_probs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    *,
+    cliprange_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dispatch to the per-token loss for ``loss_type`` (CS336 A5 §7.2, plus ``grpo_no_clip`` of §8).
+
+    ``no_baseline`` uses ``raw_rewards``; ``reinforce_with_baseline`` uses ``advantages``;
+    ``grpo_clip`` uses ``advantages``, ``old_log_probs`` and ``cliprange`` (``cliprange_high`` for
+    DAPO clip-higher); ``grpo_no_clip`` is the unclipped ratio loss ``-ratio * A``.
+    Returns ``(loss (B, T), metadata)``.
+    """
+
+    def need(name: str, value):
+        if value is None:
+            raise ValueError(f"loss_type={loss_type!r} requires {name}")
+        return value
+
+    if loss_type == "no_baseline":
+        return compute_naive_policy_gradient_loss(need("raw_rewards", raw_rewards), policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        return compute_naive_policy_gradient_loss(need("advantages", advantages), policy_log_probs), {}
+    if loss_type == "grpo_clip":
+        return compute_grpo_clip_loss(
+            need("advantages", advantages),
+            policy_log_probs,
+            need("old_log_probs", old_log_probs),
+            need("cliprange", cliprange),
+            cliprange_high=cliprange_high,
+        )
+    if loss_type == "grpo_no_clip":
+        adv = _as_column(need("advantages", advantages)).to(policy_log_probs.dtype)
+        ratio = torch.exp(policy_log_probs - need("old_log_probs", old_log_probs))
+        return -ratio * adv, {"ratio": ratio.detach()}
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    cliprange_value: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped value loss per token (Schulman et al. 2017; as in OpenAI baselines / TRL).
+
+    ``0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)``; ``cliprange_value=None``
+    gives the plain ``0.5 * (V - R)^2``. Returns ``(loss (B, T), {"clipped": bool (B, T)})``;
+    aggregate it with ``masked_mean``.
+    """
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        return 0.5 * unclipped, {"clipped": torch.zeros_like(unclipped, dtype=torch.bool)}
+    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    clipped = (v_clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), {"clipped": clipped > unclipped}
+
+
+def compute_dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """Per-example DPO loss (Rafailov et al. 2023, eq. 7): ``-log sigmoid(beta * ((c - c_ref) - (r - r_ref)))``."""
+    logits = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    return -F.logsigmoid(beta * logits)
