@@ -1,4 +1,8 @@
-"""The embedded default: a tiny Qwen2-architecture model and a character-level tokenizer.
+"""The embedded default: a tiny Llama-architecture model and a character-level tokenizer.
+
+Llama rather than Qwen2 (the two differ only by Qwen2's q/k/v biases): transformers 5 loads a
+``qwen2`` directory's tokenizer as ``Qwen2Tokenizer`` whatever ``tokenizer.json`` says, which would
+replace the character-level pre-tokenizer; a ``llama`` directory keeps it.
 
 Both are ordinary Hugging Face objects: ``save_pretrained`` writes a directory that
 ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` (and vLLM) load back. Nothing is
@@ -14,13 +18,13 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
 CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
 
-# name -> Qwen2Config fields. tiny ~0.9M parameters, small ~9.5M.
+# name -> LlamaConfig fields. tiny ~0.9M parameters, small ~9.5M.
 TINY_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2),
     "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2),
@@ -45,12 +49,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(size: str = "tiny", tokenizer=None, seed: int = 0, max_position_embeddings: int = 512) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 causal LM of the named size (``tiny`` or ``small``), float32."""
+def build_tiny_model(size: str = "tiny", tokenizer=None, seed: int = 0, max_position_embeddings: int = 512) -> LlamaForCausalLM:
+    """A randomly initialised Llama causal LM of the named size (``tiny`` or ``small``), float32."""
     if size not in TINY_SIZES:
         raise ValueError(f"unknown embedded model size {size!r}; expected one of {', '.join(TINY_SIZES)}")
     tokenizer = tokenizer or build_char_tokenizer()
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
@@ -62,7 +66,7 @@ def build_tiny_model(size: str = "tiny", tokenizer=None, seed: int = 0, max_posi
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id

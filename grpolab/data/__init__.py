@@ -1,0 +1,26 @@
+"""Datasets, prompt templates and the embedded tasks."""
+
+from .datasets import (
+    DataError,
+    Example,
+    Loaded,
+    PreferencePair,
+    SFTPair,
+    gsm8k_final_answer,
+    load_examples,
+    load_gsm8k,
+    load_hf_dataset,
+    load_jsonl,
+    load_math,
+    load_preferences,
+    load_sft_pairs,
+)
+from .prompts import BUILTIN_TEMPLATES, PromptTemplate, TemplateError, load_template
+from .tasks import TASKS, ArithmeticTask, CountdownTask, get_task, split_of
+
+__all__ = [
+    "ArithmeticTask", "BUILTIN_TEMPLATES", "CountdownTask", "DataError", "Example", "Loaded",
+    "PreferencePair", "PromptTemplate", "SFTPair", "TASKS", "TemplateError", "get_task",
+    "gsm8k_final_answer", "load_examples", "load_gsm8k", "load_hf_dataset", "load_jsonl",
+    "load_math", "load_preferences", "load_sft_pairs", "load_template", "split_of",
+]

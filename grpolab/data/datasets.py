@@ -1,0 +1,242 @@
+"""Datasets: JSONL with configurable fields, GSM8K, MATH, SFT pairs, preference triples, and
+Hugging Face ``datasets`` names.
+
+Bad input never passes silently: an invalid JSON line, a missing or empty field, or a non-UTF-8
+byte raises ``DataError`` naming ``file:line`` and the problem; with ``on_error="skip"`` the line
+is skipped, counted in ``.skipped`` of the returned list, and reported in one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class DataError(ValueError):
+    """Malformed data; the message names the file and line."""
+
+
+@dataclass
+class Example:
+    """A question with its ground truth; ``solution`` is a worked response for SFT (optional)."""
+
+    question: str
+    answer: Any
+    solution: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class SFTPair:
+    prompt: str
+    response: str
+    ground_truth: Any = None
+
+
+@dataclass
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+class Loaded(list):
+    """A list of records plus ``skipped``: the ``file:line: problem`` of each skipped line."""
+
+    def __init__(self, items=(), skipped=None):
+        super().__init__(items)
+        self.skipped: list[str] = list(skipped or [])
+
+
+def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield (line number, parsed object or None, problem or None) for each non-blank line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield lineno, None, f"not valid UTF-8 (byte {exc.start})"
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield lineno, json.loads(text), None
+            except json.JSONDecodeError as exc:
+                yield lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+
+
+def _require(obj: Any, name: str) -> Any:
+    if not isinstance(obj, dict):
+        raise KeyError(f"line is a JSON {type(obj).__name__}, not an object")
+    if name not in obj:
+        raise KeyError(f"missing field {name!r}")
+    value = obj[name]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise KeyError(f"empty field {name!r}")
+    return value
+
+
+def read_jsonl_records(path: str | Path, convert, on_error: str = "raise") -> Loaded:
+    """Read ``path`` and map each object through ``convert(obj)``; ``convert`` raises KeyError or
+    ValueError with the problem. Errors name ``file:line``."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    out = Loaded()
+    for lineno, obj, problem in _iter_jsonl(path):
+        if problem is None:
+            try:
+                out.append(convert(obj))
+                continue
+            except (KeyError, ValueError, TypeError) as exc:
+                problem = exc.args[0] if exc.args else str(exc)
+        where = f"{path}:{lineno}: {problem}"
+        if on_error == "raise":
+            raise DataError(where)
+        out.skipped.append(where)
+    if out.skipped:
+        warnings.warn(f"{path}: skipped {len(out.skipped)} malformed line(s); first: {out.skipped[0]}", stacklevel=2)
+    return out
+
+
+def load_jsonl(
+    path: str | Path,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    solution_field: str | None = None,
+    on_error: str = "raise",
+) -> Loaded:
+    """Examples from a JSONL file with the named fields (answers kept as given: str, number or list)."""
+
+    def convert(obj):
+        solution = _require(obj, solution_field) if solution_field else None
+        return Example(str(_require(obj, question_field)), _require(obj, answer_field), solution)
+
+    return read_jsonl_records(path, convert, on_error)
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """The final answer after ``####`` with thousands separators removed."""
+    if "####" not in solution:
+        raise ValueError("no '####' final answer in the solution")
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
+    if not answer:
+        raise ValueError("empty final answer after '####'")
+    return answer
+
+
+def gsm8k_reasoning(solution: str) -> str:
+    """The worked solution before ``####``, without the ``<<calc>>`` annotations."""
+    return re.sub(r"<<[^>]*>>", "", solution.rsplit("####", 1)[0]).strip()
+
+
+def load_gsm8k(path: str | Path, on_error: str = "raise") -> Loaded:
+    """GSM8K JSONL (``question``, ``answer`` with ``#### N``): answer = N; solution = the reasoning
+    in R1-Zero form (``reasoning</think> <answer>N</answer>``)."""
+
+    def convert(obj):
+        solution = str(_require(obj, "answer"))
+        final = gsm8k_final_answer(solution)
+        response = f"{gsm8k_reasoning(solution)}</think> <answer>{final}</answer>"
+        return Example(str(_require(obj, "question")), final, response)
+
+    return read_jsonl_records(path, convert, on_error)
+
+
+def last_boxed_answer(solution: str) -> str:
+    from ..rewards.verifiers import last_boxed
+
+    answer = last_boxed(solution)
+    if answer is None or not answer.strip():
+        raise ValueError("no \\boxed{...} answer in the solution")
+    return answer.strip()
+
+
+def load_math(path: str | Path, question_field: str = "problem", solution_field: str = "solution", on_error: str = "raise") -> Loaded:
+    """MATH JSONL (``problem``, ``solution``): answer = the last ``\\boxed{...}`` (nested braces handled).
+    A record that already has an ``answer`` field keeps it."""
+
+    def convert(obj):
+        solution = str(_require(obj, solution_field))
+        answer = obj.get("answer") if isinstance(obj, dict) and obj.get("answer") not in (None, "") else last_boxed_answer(solution)
+        response = f"{solution.strip()}</think> <answer>{answer}</answer>"
+        return Example(str(_require(obj, question_field)), answer, response)
+
+    return read_jsonl_records(path, convert, on_error)
+
+
+def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_field: str = "response", on_error: str = "raise") -> Loaded:
+    """SFT pairs ``{"prompt", "response"}`` (CS336 ``sft.jsonl``); an optional ``ground_truth`` is kept."""
+
+    def convert(obj):
+        gt = obj.get("ground_truth") if isinstance(obj, dict) else None
+        return SFTPair(str(_require(obj, prompt_field)), str(_require(obj, response_field)), gt)
+
+    return read_jsonl_records(path, convert, on_error)
+
+
+def load_preferences(path: str | Path, on_error: str = "raise") -> Loaded:
+    """Preference triples ``{"prompt", "chosen", "rejected"}``."""
+
+    def convert(obj):
+        return PreferencePair(str(_require(obj, "prompt")), str(_require(obj, "chosen")), str(_require(obj, "rejected")))
+
+    return read_jsonl_records(path, convert, on_error)
+
+
+def load_hf_dataset(
+    name: str,
+    split: str = "train",
+    config: str | None = None,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    answer_format: str = "raw",
+) -> Loaded:
+    """Examples from a Hugging Face ``datasets`` name (``answer_format``: raw | gsm8k | math_boxed).
+
+    ``datasets`` is imported here, lazily; a missing library or an unreachable hub is one clear error.
+    """
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise DataError(
+            f"dataset {name!r}: the 'datasets' library is not installed (pip install datasets), "
+            "or give a local JSONL file instead"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown name, ...
+        raise DataError(f"dataset {name!r} (split {split!r}) could not be loaded: {type(exc).__name__}: {exc}") from None
+    out = Loaded()
+    for i, row in enumerate(ds):
+        where = f"{name}[{split}]:{i}"
+        try:
+            q, a = _require(row, question_field), _require(row, answer_field)
+            if answer_format == "gsm8k":
+                a = gsm8k_final_answer(str(a))
+            elif answer_format == "math_boxed":
+                a = last_boxed_answer(str(a))
+        except (KeyError, ValueError) as exc:
+            raise DataError(f"{where}: {exc.args[0]}") from None
+        out.append(Example(str(q), a))
+    return out
+
+
+def load_examples(spec: str, **kwargs) -> Loaded:
+    """Examples from a path or name: ``*.jsonl`` whose name contains gsm8k -> GSM8K, math -> MATH,
+    other ``.jsonl`` -> plain fields; ``hf:NAME`` -> ``load_hf_dataset``."""
+    if spec.startswith("hf:"):
+        return load_hf_dataset(spec[3:], **kwargs)
+    name = str(Path(spec)).lower()
+    on_error = kwargs.pop("on_error", "raise")
+    if "gsm8k" in name and not kwargs:
+        return load_gsm8k(spec, on_error=on_error)
+    if "math" in name and not kwargs:
+        return load_math(spec, on_error=on_error)
+    return load_jsonl(spec, on_error=on_error, **kwargs)

@@ -1,0 +1,159 @@
+"""Datasets, prompt templates and embedded tasks."""
+
+import json
+
+import pytest
+
+from grpolab.data import (
+    DataError,
+    get_task,
+    gsm8k_final_answer,
+    load_examples,
+    load_gsm8k,
+    load_hf_dataset,
+    load_jsonl,
+    load_math,
+    load_preferences,
+    load_sft_pairs,
+    load_template,
+    split_of,
+)
+from grpolab.data.prompts import R1_ZERO_PROMPT, TemplateError
+
+
+def write(path, lines):
+    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
+    return path
+
+
+# ---------------------------------------------------------------- JSONL
+def test_load_jsonl_custom_fields_and_blank_lines(tmp_path):
+    f = write(tmp_path / "d.jsonl", [json.dumps({"q": "1+1", "a": 2}), "", json.dumps({"q": "2+2", "a": ["4", "four"]})])
+    ex = load_jsonl(f, question_field="q", answer_field="a")
+    assert [(e.question, e.answer) for e in ex] == [("1+1", 2), ("2+2", ["4", "four"])]
+    assert ex.skipped == []
+
+
+@pytest.mark.parametrize(
+    "bad,problem",
+    [
+        ('{"question": "x", "answer": ', "invalid JSON"),
+        ('{"question": "x"}', "missing field 'answer'"),
+        ('{"question": "  ", "answer": "1"}', "empty field 'question'"),
+        (b'{"question": "\xff", "answer": "1"}', "not valid UTF-8"),
+        ('["a", "b"]', "not an object"),
+    ],
+)
+def test_malformed_lines_name_file_and_line(tmp_path, bad, problem):
+    f = write(tmp_path / "bad.jsonl", [json.dumps({"question": "ok", "answer": "1"}), bad])
+    with pytest.raises(DataError) as err:
+        load_jsonl(f)
+    assert f"{f}:2:" in str(err.value) and problem in str(err.value)
+    with pytest.warns(UserWarning, match="skipped 1"):
+        ex = load_jsonl(f, on_error="skip")
+    assert len(ex) == 1 and len(ex.skipped) == 1 and ex.skipped[0].startswith(f"{f}:2:")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_jsonl(tmp_path / "nope.jsonl")
+
+
+# ---------------------------------------------------------------- GSM8K, MATH, SFT, preferences
+def test_gsm8k_loader(tmp_path):
+    f = write(tmp_path / "gsm8k.jsonl", [
+        json.dumps({"question": "Q1", "answer": "She sells 16 - 3 = <<16-3=13>>13.\n#### 1,300"}),
+        json.dumps({"question": "Q2", "answer": "no final answer"}),
+    ])
+    with pytest.raises(DataError, match=r"gsm8k.jsonl:2: no '####'"):
+        load_gsm8k(f)
+    ex = load_gsm8k(f, on_error="skip")
+    assert ex[0].answer == "1300"
+    assert ex[0].solution == "She sells 16 - 3 = 13.</think> <answer>1300</answer>"
+    assert gsm8k_final_answer("x\n#### -5") == "-5"
+
+
+def test_math_loader_nested_boxed(tmp_path):
+    f = write(tmp_path / "math.jsonl", [
+        json.dumps({"problem": "P", "solution": "First \\boxed{1}, finally $\\boxed{\\frac{1}{\\sqrt{2}}}$."}),
+        json.dumps({"problem": "P2", "solution": "none"}),
+    ])
+    with pytest.raises(DataError, match=r"math.jsonl:2:.*boxed"):
+        load_math(f)
+    assert load_math(f, on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
+    assert load_examples(str(f), on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
+
+
+def test_sft_and_preference_loaders(tmp_path):
+    f = write(tmp_path / "sft.jsonl", [json.dumps({"prompt": "p", "response": "r", "ground_truth": "1"})])
+    pairs = load_sft_pairs(f)
+    assert (pairs[0].prompt, pairs[0].response, pairs[0].ground_truth) == ("p", "r", "1")
+    g = write(tmp_path / "pref.jsonl", [json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}),
+                                       json.dumps({"prompt": "p", "chosen": "a"})])
+    with pytest.raises(DataError, match=r"pref.jsonl:2: missing field 'rejected'"):
+        load_preferences(g)
+
+
+def test_hf_datasets_clear_error_when_missing_or_offline():
+    with pytest.raises(DataError, match="dataset 'openai/gsm8k'"):
+        load_hf_dataset("openai/gsm8k", config="main")
+
+
+# ---------------------------------------------------------------- templates
+def test_r1_zero_template_exact_text():
+    lines = R1_ZERO_PROMPT.split("\n")
+    assert lines[0].startswith("A conversation between User and Assistant. The User asks a question")
+    assert lines[0].endswith("i.e., <think> reasoning process here </think> <answer> answer here </answer>.")
+    assert lines[1:] == ["User: {question}", "Assistant: <think>"]
+    assert load_template("r1_zero").format("What is 1+1?").endswith("User: What is 1+1?\nAssistant: <think>")
+    assert load_template("question_only").format("Q") == "Q"
+
+
+def test_template_from_file_and_errors(tmp_path):
+    (tmp_path / "t.txt").write_text("Solve: {question}\nUse \\boxed{}.\n")
+    assert load_template(str(tmp_path / "t.txt")).format("1+1") == "Solve: 1+1\nUse \\boxed{}."
+    (tmp_path / "bad.txt").write_text("no placeholder")
+    with pytest.raises(TemplateError, match="question"):
+        load_template(str(tmp_path / "bad.txt"))
+    with pytest.raises(TemplateError, match="unknown prompt template"):
+        load_template("r2_zero")
+
+
+# ---------------------------------------------------------------- tasks
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_tasks_deterministic_disjoint_and_verified(name):
+    task = get_task(name, seed=7)
+    a = task.examples("train", 200)
+    b = get_task(name, seed=7).examples("train", 200)
+    assert [(e.question, e.answer, e.solution) for e in a] == [(e.question, e.answer, e.solution) for e in b]
+    assert [e.question for e in get_task(name, seed=8).examples("train", 50)] != [e.question for e in a[:50]]
+    splits = {s: {e.question for e in task.examples(s, 60)} for s in ("train", "validation", "test")}
+    splits["train"] |= {e.question for e in a}
+    assert not splits["train"] & splits["test"] and not splits["train"] & splits["validation"]
+    assert not splits["validation"] & splits["test"]
+    assert all(split_of(q) == "test" for q in splits["test"])
+    for e in a:  # correct demonstrations pass their own verifier
+        assert task.reward_fn(e.solution, e.answer)["reward"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_wrong_fraction_makes_that_share_of_demonstrations_wrong(name):
+    task = get_task(name, seed=0, wrong_fraction=0.4)
+    ex = task.examples("train", 500)
+    wrong = [e for e in ex if task.reward_fn(e.solution, e.answer)["reward"] == 0.0]
+    assert 0.3 < len(wrong) / len(ex) < 0.5
+    assert all(not e.meta["solution_correct"] for e in wrong)
+    assert all(task.reward_fn(e.solution, e.answer)["format_reward"] == 1.0 for e in ex)
+
+
+def test_arithmetic_settings_and_errors():
+    t = get_task("arithmetic", digits=2, num_ops=3, ops="+-*")
+    e = t.examples("train", 20)
+    assert all(t.reward_fn(x.solution, x.answer)["reward"] == 1.0 for x in e)
+    assert any("*" in x.question for x in e)
+    with pytest.raises(ValueError, match="wrong_fraction"):
+        get_task("arithmetic", wrong_fraction=1.5)
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("sudoku")
+    with pytest.raises(ValueError, match="distinct"):
+        get_task("arithmetic", digits=1, num_ops=1, ops="+").examples("test", 500)
