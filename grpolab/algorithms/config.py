@@ -1,0 +1,91 @@
+"""Validated configs: YAML files plus command-line overrides; unknown keys and bad values are
+one-line errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad config; the message names the file or key."""
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown key '{key}'")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"'{key}': {msg} (got {err.get('input')!r})")
+    return f"{source}: " + "; ".join(parts)
+
+
+class BaseConfig(BaseModel):
+    """Base of every method's config: no unknown keys, validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @classmethod
+    def build(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None):
+        """Load ``path`` (YAML), apply ``overrides`` (``key -> value``), validate."""
+        data: dict[str, Any] = {}
+        source = "config"
+        if path is not None:
+            source = str(path)
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{path}: no such config file")
+            try:
+                loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f":{mark.line + 1}" if mark else ""
+                raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: the config must be a mapping of keys to values")
+            data.update(loaded)
+        for key, value in (overrides or {}).items():
+            key = key.replace("-", "_")
+            if key not in cls.model_fields:
+                raise ConfigError(f"unknown key '{key}' (command line); valid keys: {', '.join(cls.model_fields)}")
+            data[key] = value
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(exc, source)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``--key value`` / ``--key=value`` pairs -> dict; values parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: overrides are --key value")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} needs a value")
+            raw = args[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        out[key.replace("-", "_")] = raw if value is None and raw not in ("null", "~", "") else value
+    return out

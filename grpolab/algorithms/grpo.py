@@ -1,0 +1,456 @@
+"""GRPO: Group Relative Policy Optimization with verified rewards (Shao et al. 2024, DeepSeekMath;
+CS336 A5 Algorithm 3).
+
+For each step: sample ``rollout_batch_size / group_size`` questions, draw ``group_size`` answers
+each, score them with the verifier, use the group-normalised reward as every token's advantage,
+and take ``epochs_per_rollout_batch`` passes of policy-gradient steps over the rollout batch in
+optimizer batches of ``train_batch_size`` (each split into ``gradient_accumulation_steps``
+micro-batches). No value network. The hyperparameters, with CS336's defaults, are the fields of
+``GRPOConfig`` below; the loop is ``train_grpo``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from ..core import (
+    LOSS_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    build_sequences,
+    get_response_log_probs,
+    grpo_microbatch_train_step,
+    kl_k3,
+    masked_mean,
+    normalize_group_rewards,
+    pad_token_id,
+)
+from ..data import load_examples, load_template
+from ..data.tasks import get_task
+from ..eval import evaluate, log_generations
+from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..rewards import RewardScorer, build_reward
+from ..rollout import SamplingParams, make_backend
+from .config import BaseConfig
+from .health import HealthMonitor
+from .toolkit import (
+    CheckpointManager,
+    ExampleSampler,
+    MetricsLogger,
+    RunDir,
+    autocast_for,
+    effective_warmup,
+    make_optimizer,
+    make_scheduler,
+    optimizer_step,
+    plan_microbatches,
+    progress,
+    restore_rng,
+    rng_state,
+    seed_everything,
+    take_rows,
+)
+
+
+class GRPOConfig(BaseConfig):
+    # --- model and data
+    model: str = "embedded:tiny"  # a local HF directory, or embedded:tiny / embedded:small
+    task: str | None = "arithmetic"  # an embedded task (arithmetic, countdown) ...
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    task_train_size: int = Field(2000, ge=1)  # distinct training questions drawn from the embedded task  # ... and its settings (digits, wrong_fraction, ...)
+    train_data: str | None = None  # ... or a JSONL file (GSM8K, MATH, plain) / hf:NAME
+    eval_data: str | None = None  # held-out questions (default: the task's validation split)
+    prompt_template: str | None = None  # r1_zero | question_only | compact | a file; default: task's, else r1_zero
+    reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
+    # --- CS336 Algorithm 3 (defaults from the handout)
+    n_grpo_steps: int = Field(200, ge=1)
+    learning_rate: float = Field(1e-5, gt=0)
+    advantage_eps: float = Field(1e-6, ge=0)
+    rollout_batch_size: int = Field(256, ge=1)
+    group_size: int = Field(8, ge=1)
+    sampling_temperature: float = Field(1.0, ge=0)
+    sampling_min_tokens: int = Field(4, ge=0)  # as in Expiter, disallow empty strings
+    sampling_max_tokens: int = Field(1024, ge=1)
+    sampling_top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
+    epochs_per_rollout_batch: int = Field(1, ge=1)  # > 1 is off-policy
+    train_batch_size: int = Field(256, ge=1)  # > rollout_batch_size is an error; < is off-policy
+    gradient_accumulation_steps: int = Field(128, ge=1)  # micro-batch = train_batch_size / this
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"] = "reinforce_with_baseline"
+    use_std_normalization: bool = True
+    length_normalization: Literal["masked_mean", "masked_normalize", "token_mean"] = "masked_mean"
+    normalize_constant: float | None = None  # masked_normalize's constant (default sampling_max_tokens)
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28)
+    # --- optimizer (AdamW as in CS336) and schedule
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = Field(1000, ge=0)  # linear warm-up (seed design), capped at 10 % of the optimizer steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    whiten_advantages: bool = False  # whiten advantages over the rollout batch after group normalisation
+    # --- KL to a frozen reference (seed design; CS336 uses none: kl_coef 0 loads no reference model)
+    kl_coef: float = Field(0.0, ge=0)  # the seed design's setting: 0.2 with kl_adaptive
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_adaptive: bool = False
+    kl_target: float = Field(0.1, gt=0)  # KL the adaptive controller aims at (nats per token)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_coef_min: float = Field(0.1, ge=0)
+    kl_coef_max: float = Field(0.3, ge=0)
+    kl_stop: float | None = Field(0.3, gt=0)  # stop a rollout batch's updates when approx KL(old||new) exceeds it
+    # --- speed and precision
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
+    device: str = "auto"
+    micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
+    skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
+    rollout_backend: Literal["hf"] = "hf"
+    rollout_max_batch_size: int = Field(256, ge=1)
+    reward_timeout_s: float = Field(10.0, ge=0)
+    reward_workers: int = Field(0, ge=0)
+    # --- evaluation, logging, checkpoints
+    eval_every: int = Field(0, ge=0)  # GRPO steps between validation runs (0: only at the end)
+    eval_examples: int = Field(200, ge=1)
+    eval_temperature: float = Field(1.0, ge=0)
+    log_generations_samples: int = Field(8, ge=0)
+    checkpoint_every: int = Field(0, ge=0)  # GRPO steps between checkpoints (0: only the final model)
+    keep_last: int = Field(2, ge=1)
+    run_dir: str = "runs/grpo"
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    health_window: int = Field(5, ge=1)
+    truncation_threshold: float = Field(0.5, ge=0, le=1)
+    stop_on_unhealthy: bool = False
+    seed: int = 0
+    deterministic: bool = False
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.train_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps})")
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by group_size ({self.group_size})")
+        if self.train_batch_size < self.group_size:
+            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be at least group_size ({self.group_size})")
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size ({self.train_batch_size})")
+        if self.sampling_min_tokens > self.sampling_max_tokens:
+            raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens ({self.sampling_max_tokens})")
+        if (self.task is None) == (self.train_data is None):
+            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
+        if self.kl_coef_min > self.kl_coef_max:
+            raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
+        if self.loss_type == "grpo_clip" and not self.off_policy:
+            warnings.warn(
+                "loss_type 'grpo_clip' on-policy (one epoch, train_batch_size == rollout_batch_size): the ratio is "
+                "always 1, so clipping never acts; it equals reinforce_with_baseline", UserWarning, stacklevel=2)
+        return self
+
+    @property
+    def off_policy(self) -> bool:
+        return self.epochs_per_rollout_batch > 1 or self.train_batch_size < self.rollout_batch_size
+
+
+@dataclass
+class GRPOResult:
+    run_dir: Path
+    final_dir: Path
+    metrics_path: Path
+    before: dict[str, float] | None
+    after: dict[str, float]
+    wall_s: float
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_inputs(cfg) -> tuple[list, list, Any, Any]:
+    """(train examples, eval examples, prompt template, reward fn) from a config with the shared
+    data fields (``task``/``train_data``, ``eval_data``, ``prompt_template``, ``reward``)."""
+    if cfg.task is not None:
+        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        train = task.examples("train", cfg.task_train_size)
+        evals = load_examples(cfg.eval_data) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
+        template = load_template(cfg.prompt_template or task.default_template)
+        reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
+    else:
+        train = load_examples(cfg.train_data)
+        evals = load_examples(cfg.eval_data) if cfg.eval_data else []
+        template = load_template(cfg.prompt_template or "r1_zero")
+        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
+    return list(train), list(evals)[: cfg.eval_examples], template, reward
+
+
+def sampler_logprob_tensor(rollouts, shape) -> torch.Tensor:
+    """The sampler's log-probs laid out like the trainer's (B, T) label positions."""
+    out = torch.zeros(shape)
+    for i, r in enumerate(rollouts):
+        start = len(r.prompt_ids) - 1
+        out[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs)
+    return out
+
+
+@torch.inference_mode()
+def batched_log_probs(model, batch, rows_per_pass: int, device, autocast) -> torch.Tensor:
+    """Log-probs of every row of a rollout batch without gradients (old policy, reference)."""
+    out = torch.zeros(batch["labels"].shape)
+    n = batch["labels"].shape[0]
+    for start in range(0, n, rows_per_pass):
+        rows = list(range(start, min(n, start + rows_per_pass)))
+        mb = take_rows(batch, rows, device)
+        with autocast():
+            lp = get_response_log_probs(model, mb["input_ids"], mb["labels"])["log_probs"]
+        out[rows, : lp.shape[1]] = lp.float().cpu()
+    return out
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False) -> GRPOResult:
+    """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
+    ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
+    wall = time.perf_counter()
+    run = RunDir(cfg.run_dir)
+    ckpts = CheckpointManager(run.checkpoints, cfg.keep_last)
+    resume_from = ckpts.latest() if resume else None
+    if resume and resume_from is None:
+        raise ValueError(f"{run.path}: nothing to resume (no complete checkpoint in {run.checkpoints})")
+    seed_everything(cfg.seed, cfg.deterministic)
+    device = resolve_device(cfg.device)
+    autocast = autocast_for(cfg.dtype, device)
+
+    if resume_from is not None:
+        model, tokenizer = load_model_and_tokenizer(str(resume_from))
+    elif model is None:
+        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    model.to(device).train()
+    train_examples, eval_examples, template, reward_fn = load_inputs(cfg)
+    scorer = RewardScorer(reward_fn, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if resume_from is not None:
+            ref_model.load_state_dict(CheckpointManager.load_state(resume_from)["reference_model"])
+
+    steps_per_rollout = cfg.rollout_batch_size // cfg.train_batch_size * cfg.epochs_per_rollout_batch
+    total_opt_steps = cfg.n_grpo_steps * steps_per_rollout
+    optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, effective_warmup(cfg.warmup_steps, total_opt_steps), total_opt_steps, cfg.lr_schedule)
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon, cfg.kl_coef_min, cfg.kl_coef_max)
+              if cfg.kl_adaptive else FixedKLController(cfg.kl_coef))
+    sample_gen = torch.Generator().manual_seed(cfg.seed)
+    backend = make_backend(cfg.rollout_backend, model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
+                           autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=sample_gen)
+    sampler = ExampleSampler(len(train_examples), cfg.seed)
+    health = HealthMonitor(cfg.health_window, cfg.truncation_threshold, stop_on_unhealthy=cfg.stop_on_unhealthy)
+    sampling = SamplingParams(temperature=cfg.sampling_temperature, top_p=cfg.sampling_top_p,
+                              max_tokens=cfg.sampling_max_tokens, min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop))
+    eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
+                                   min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
+    normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
+    pad_id = pad_token_id(tokenizer)
+
+    start_step, train_step, eval_step = 0, 0, 0
+    if resume_from is not None:
+        state = CheckpointManager.load_state(resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        kl_ctl.load_state_dict(state["kl_controller"])
+        sampler.load_state_dict(state["data"])
+        restore_rng(state["rng"], {"sampling": sample_gen})
+        start_step, train_step, eval_step = state["grpo_step"], state["train_step"], state["eval_step"]
+    else:
+        run.write_config(cfg.to_dict())
+        run.metrics_path.write_text("")
+    logger = MetricsLogger(run.metrics_path, cfg.report_to, run_name=run.path.name, config=cfg.to_dict())
+
+    def run_eval(step: int) -> dict[str, float]:
+        nonlocal eval_step
+        if not eval_examples:
+            return {}
+        result = evaluate(backend, eval_examples, template, reward_fn, eval_sampling, scorer=scorer)
+        extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step, model, tokenizer,
+                                cfg.log_generations_samples) if cfg.log_generations_samples else {}
+        record = {"eval_step": eval_step, "grpo_step": step, **{f"eval/{k}": v for k, v in {**result.metrics, **extra}.items()}}
+        logger.log(record)
+        eval_step += 1
+        return result.metrics
+
+    before = run_eval(start_step) if start_step == 0 else None
+    bar = progress(cfg.n_grpo_steps, "GRPO", cfg.show_progress, initial=start_step)
+    n_prompts = cfg.rollout_batch_size // cfg.group_size
+
+    for step in range(start_step, cfg.n_grpo_steps):
+        # 1. sample a group of responses per question
+        t_rollout = time.perf_counter()
+        examples = [train_examples[i] for i in sampler.next(n_prompts)]
+        rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
+        rollout_s = time.perf_counter() - t_rollout
+
+        # 2. score them and normalise within each group
+        ground_truths = [examples[r.prompt_index].answer for r in rollouts]
+        errors_before = scorer.errors
+        scores = scorer.score([r.response for r in rollouts], ground_truths)
+        raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+        advantages = normalize_group_rewards(raw_rewards, cfg.group_size, cfg.advantage_eps, cfg.use_std_normalization)
+        if cfg.whiten_advantages:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8) if len(advantages) > 1 else advantages
+
+        # 3. the exact sampled ids, right-padded; old and reference log-probs once per rollout batch
+        t_train = time.perf_counter()
+        batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
+        batch["advantages"] = advantages.unsqueeze(1)
+        batch["raw_rewards"] = raw_rewards.unsqueeze(1)
+        rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
+        if cfg.off_policy:
+            batch["old_log_probs"] = batched_log_probs(model, batch, rows_per_pass, device, autocast)
+        if ref_model is not None:
+            batch["ref_log_probs"] = batched_log_probs(ref_model, batch, rows_per_pass, device, autocast)
+        # trainer log-probs of the sampled tokens, for the sampler/trainer mismatch check
+        trainer_lp = batch["old_log_probs"] if cfg.off_policy else torch.zeros(batch["labels"].shape)
+        trained = torch.full((cfg.rollout_batch_size,), cfg.off_policy, dtype=torch.bool)
+        signal = raw_rewards if cfg.loss_type == "no_baseline" else advantages
+        contributes = (signal != 0) | (ref_model is not None and kl_ctl.value > 0) | (not cfg.skip_zero_advantage)
+
+        # 4. epochs over the rollout batch in optimizer batches of micro-batches
+        step_records, stopped_early, kl_values = [], False, []
+        for epoch in range(cfg.epochs_per_rollout_batch):
+            for b0 in range(0, cfg.rollout_batch_size, cfg.train_batch_size):
+                rows = list(range(b0, b0 + cfg.train_batch_size))
+                mask_all = batch["response_mask"][rows]
+                global_tokens = mask_all.sum().clamp(min=1)
+                lengths = [int(batch["response_mask"][r].nonzero().max()) + 1 if batch["response_mask"][r].any() else 1 for r in rows]
+                plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
+                sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
+                for plan in plans:
+                    live = [rows[i] for i in plan if contributes[rows[i]]]
+                    if not live:
+                        continue
+                    mb = take_rows(batch, live, device)
+                    with autocast():
+                        out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True)
+                    log_probs, entropy = out["log_probs"].float(), out["token_entropy"]
+                    if epoch == 0 and not cfg.off_policy:
+                        trainer_lp[live, : log_probs.shape[1]] = log_probs.detach().cpu()
+                        trained[live] = True
+                    old = mb.get("old_log_probs", log_probs.detach())
+                    loss, meta = grpo_microbatch_train_step(
+                        log_probs, mb["response_mask"], len(plans), cfg.loss_type,
+                        raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
+                        cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
+                        length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
+                        global_num_tokens=global_tokens, global_batch_size=cfg.train_batch_size,
+                        ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_ctl.value, kl_estimator_name=cfg.kl_estimator,
+                    )
+                    mask = mb["response_mask"]
+                    n_tok = float(mask.sum())
+                    sums["loss"] += float(loss)
+                    sums["tokens"] += n_tok
+                    sums["entropy"] += float((entropy.detach().float() * mask).sum())
+                    sums["approx_kl"] += float((kl_k3(old, log_probs.detach()) * mask).sum())
+                    if "clip_fraction" in meta:
+                        sums["clip"] += float(meta["clip_fraction"]) * n_tok
+                    if "kl" in meta:
+                        sums["kl"] += float(meta["kl"]) * n_tok
+                grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
+                tok = max(sums["tokens"], 1.0)
+                approx_kl = sums["approx_kl"] / tok
+                record = {
+                    "train_step": train_step, "grpo_step": step, "epoch": epoch,
+                    "train/loss": sums["loss"], "train/grad_norm": grad_norm, "train/token_entropy": sums["entropy"] / tok,
+                    "train/clip_fraction": sums["clip"] / tok, "train/approx_kl_old_new": approx_kl,
+                    "train/lr": scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value,
+                    "train/rows_trained": int(sum(bool(contributes[r]) for r in rows)),
+                }
+                if ref_model is not None:
+                    record["train/kl"] = sums["kl"] / tok
+                    kl_values.append(sums["kl"] / tok)
+                step_records.append(record)
+                train_step += 1
+                if cfg.kl_stop is not None and cfg.off_policy and approx_kl > cfg.kl_stop:
+                    stopped_early = True
+                    break
+            if stopped_early:
+                break
+        if kl_values:
+            kl_ctl.update(sum(kl_values) / len(kl_values), cfg.rollout_batch_size)
+        train_s = time.perf_counter() - t_train
+
+        # 5. health figures, metrics, diagnosis
+        mask = batch["response_mask"]
+        sampler_lp = sampler_logprob_tensor(rollouts, mask.shape)
+        checked = mask & trained.unsqueeze(1)
+        n_done = sum(len(r.response_ids) for r in rollouts)
+        fmt = torch.tensor([s.get("format_reward", 1.0) for s in scores])
+        ans = torch.tensor([s.get("answer_reward", s["reward"]) for s in scores])
+        grouped = raw_rewards.view(-1, cfg.group_size)
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+        correct = raw_rewards >= 1.0
+        health_m = {
+            "zero_variance_group_fraction": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+            "truncation_rate": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "format_failure_rate": float(1 - fmt.mean()),
+            "wrong_answer_rate": float(((fmt > 0) & (ans <= 0)).float().mean()),
+            "reward_errors": scorer.errors - errors_before,
+            "logprob_mismatch": float(masked_mean((sampler_lp - trainer_lp).abs(), checked)) if checked.any() else 0.0,
+            "reward_mean": float(raw_rewards.mean()),
+        }
+        rollout_m = {
+            "train/reward": float(raw_rewards.mean()), "train/reward_std": float(raw_rewards.std()) if len(raw_rewards) > 1 else 0.0,
+            "train/format_reward": float(fmt.mean()), "train/answer_reward": float(ans.mean()),
+            "train/response_length": float(lengths.mean()),
+            "train/response_length_correct": float(lengths[correct].mean()) if correct.any() else 0.0,
+            "train/response_length_incorrect": float(lengths[~correct].mean()) if (~correct).any() else 0.0,
+            "train/kl_early_stop": int(stopped_early),
+            **{f"health/{k}": v for k, v in health_m.items() if k != "reward_mean"},
+            "time/rollout_s": rollout_s, "time/train_s": train_s,
+            "time/tokens_per_s": n_done / max(rollout_s + train_s, 1e-9),
+        }
+        for k in scores[0]:
+            if k not in ("reward", "format_reward", "answer_reward"):
+                rollout_m[f"train/reward_{k}"] = sum(s.get(k, 0.0) for s in scores) / len(scores)
+        for i, record in enumerate(step_records):
+            logger.log({**record, **(rollout_m if i == 0 else {})})
+        for message in health.update({**health_m, "last_reward_error": scorer.last_error}):
+            bar.write(f"grpolab health: {message}")
+        bar.set_postfix(reward=f"{health_m['reward_mean']:.3f}", loss=f"{step_records[-1]['train/loss']:.4f}" if step_records else "-")
+        bar.update(1)
+
+        # 6. periodic validation and checkpoints
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.n_grpo_steps:
+            run_eval(done)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            state = {
+                "grpo_step": done, "train_step": train_step, "eval_step": eval_step,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "kl_controller": kl_ctl.state_dict(), "data": sampler.state_dict(),
+                "rng": rng_state({"sampling": sample_gen}), "config": cfg.to_dict(),
+            }
+            if ref_model is not None:
+                state["reference_model"] = ref_model.state_dict()
+            ckpts.save(done, model, tokenizer, state)
+    bar.close()
+
+    after = run_eval(cfg.n_grpo_steps)
+    save_model_and_tokenizer(model, tokenizer, run.final)
+    logger.close()
+    scorer.close()
+    return GRPOResult(run.path, run.final, run.metrics_path, before, after, time.perf_counter() - wall)

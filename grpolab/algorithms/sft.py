@@ -1,0 +1,231 @@
+"""SFT: maximum-likelihood fine-tuning on (prompt, response) pairs, loss on the response tokens
+only (CS336 A5 §4). The hyperparameters are the fields of ``SFTConfig``; the loop is ``train_sft``.
+
+Data: an embedded task's worked solutions, a CS336 ``sft.jsonl`` of ``{prompt, response}``, or a
+GSM8K/MATH JSONL (its reference solution in R1-Zero form). ``filter_correct`` keeps only pairs
+whose response the verifier accepts (CS336 §4.3); ``max_examples`` sets the dataset size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from ..core import get_response_log_probs, sft_microbatch_train_step, tokenize_prompt_and_output
+from ..data import load_examples, load_sft_pairs, load_template
+from ..data.datasets import SFTPair
+from ..eval import evaluate, log_generations
+from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..rewards import RewardScorer, build_reward
+from ..rollout import SamplingParams, make_backend
+from .config import BaseConfig
+from .grpo import load_inputs, resolve_device
+from .toolkit import (
+    CheckpointManager,
+    ExampleSampler,
+    MetricsLogger,
+    RunDir,
+    autocast_for,
+    effective_warmup,
+    make_optimizer,
+    make_scheduler,
+    optimizer_step,
+    progress,
+    restore_rng,
+    rng_state,
+    seed_everything,
+)
+
+
+class SFTConfig(BaseConfig):
+    # --- model and data
+    model: str = "embedded:tiny"
+    task: str | None = "arithmetic"
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    task_train_size: int = Field(2000, ge=1)  # distinct training questions drawn from the embedded task
+    train_data: str | None = None  # sft.jsonl ({prompt, response}) or GSM8K/MATH JSONL
+    eval_data: str | None = None
+    prompt_template: str | None = None  # applied to questions (not to sft.jsonl prompts, used as given)
+    reward: Any = None  # verifier for filter_correct and validation accuracy
+    filter_correct: bool = False
+    max_examples: int | None = Field(None, ge=1)
+    # --- optimisation
+    n_sft_steps: int = Field(200, ge=1)  # optimizer steps
+    learning_rate: float = Field(2e-5, gt=0)
+    train_batch_size: int = Field(32, ge=1)
+    gradient_accumulation_steps: int = Field(4, ge=1)
+    normalize_constant: float = Field(1.0, gt=0)  # sum of response-token NLL / this (CS336)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = Field(1000, ge=0)  # capped at 10 % of n_sft_steps
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"
+    # --- evaluation, logging, checkpoints
+    eval_every: int = Field(0, ge=0)
+    eval_examples: int = Field(200, ge=1)
+    eval_temperature: float = Field(1.0, ge=0)
+    sampling_max_tokens: int = Field(1024, ge=1)
+    sampling_min_tokens: int = Field(4, ge=0)
+    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
+    log_generations_samples: int = Field(8, ge=0)
+    checkpoint_every: int = Field(0, ge=0)
+    keep_last: int = Field(2, ge=1)
+    run_dir: str = "runs/sft"
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    seed: int = 0
+    deterministic: bool = False
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.train_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps})")
+        if (self.task is None) == (self.train_data is None):
+            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
+        return self
+
+
+@dataclass
+class SFTResult:
+    run_dir: Path
+    final_dir: Path
+    metrics_path: Path
+    after: dict[str, float]
+    n_examples: int
+    wall_s: float
+
+
+def sft_pairs(cfg: SFTConfig) -> tuple[list[SFTPair], list, Any, Any]:
+    """(training pairs, eval examples, template, reward fn) with filtering and the size cap applied."""
+    if cfg.train_data is not None and _looks_like_sft_pairs(cfg.train_data):
+        pairs = list(load_sft_pairs(cfg.train_data))
+        template = load_template(cfg.prompt_template or "r1_zero")
+        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
+        evals = list(load_examples(cfg.eval_data))[: cfg.eval_examples] if cfg.eval_data else []
+    else:
+        train, evals, template, reward = load_inputs(cfg)
+        missing = [i for i, e in enumerate(train) if not e.solution]
+        if missing:
+            raise ValueError(f"{cfg.train_data or cfg.task}: example {missing[0]} has no worked solution to imitate")
+        pairs = [SFTPair(template.format(e.question), e.solution, e.answer) for e in train]
+    if cfg.filter_correct:
+        if reward is None:
+            raise ValueError("filter_correct needs a reward (verifier)")
+        if any(p.ground_truth is None for p in pairs):
+            raise ValueError("filter_correct needs a ground truth for every pair ('ground_truth' field)")
+        scores = RewardScorer(reward, timeout_s=0).score([p.response for p in pairs], [p.ground_truth for p in pairs])
+        pairs = [p for p, s in zip(pairs, scores) if s["reward"] >= 1.0]
+        if not pairs:
+            raise ValueError("filter_correct kept no example: the verifier rejected every response")
+    if cfg.max_examples is not None:
+        pairs = pairs[: cfg.max_examples]
+    return pairs, evals, template, reward
+
+
+def _looks_like_sft_pairs(path: str) -> bool:
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(obj, dict) and "prompt" in obj and "response" in obj
+    return False
+
+
+def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False) -> SFTResult:
+    """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
+    wall = time.perf_counter()
+    run = RunDir(cfg.run_dir)
+    ckpts = CheckpointManager(run.checkpoints, cfg.keep_last)
+    resume_from = ckpts.latest() if resume else None
+    if resume and resume_from is None:
+        raise ValueError(f"{run.path}: nothing to resume (no complete checkpoint in {run.checkpoints})")
+    seed_everything(cfg.seed, cfg.deterministic)
+    device = resolve_device(cfg.device)
+    autocast = autocast_for(cfg.dtype, device)
+    if resume_from is not None:
+        model, tokenizer = load_model_and_tokenizer(str(resume_from))
+    elif model is None:
+        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    model.to(device).train()
+    pairs, eval_examples, template, reward_fn = sft_pairs(cfg)
+
+    optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, effective_warmup(cfg.warmup_steps, cfg.n_sft_steps), cfg.n_sft_steps, cfg.lr_schedule)
+    sampler = ExampleSampler(len(pairs), cfg.seed)
+    sample_gen = torch.Generator().manual_seed(cfg.seed)
+    backend = make_backend("hf", model, tokenizer, generator=sample_gen)
+    eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
+                                   min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
+    start_step, eval_step = 0, 0
+    if resume_from is not None:
+        state = CheckpointManager.load_state(resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["data"])
+        restore_rng(state["rng"], {"sampling": sample_gen})
+        start_step, eval_step = state["train_step"], state["eval_step"]
+    else:
+        run.write_config(cfg.to_dict())
+        run.metrics_path.write_text("")
+    logger = MetricsLogger(run.metrics_path, cfg.report_to, run_name=run.path.name, config=cfg.to_dict())
+
+    def run_eval(step: int) -> dict[str, float]:
+        nonlocal eval_step
+        if not eval_examples or reward_fn is None:
+            return {}
+        result = evaluate(backend, eval_examples, template, reward_fn, eval_sampling)
+        extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step, model, tokenizer,
+                                cfg.log_generations_samples) if cfg.log_generations_samples else {}
+        logger.log({"eval_step": eval_step, "train_step": step, **{f"eval/{k}": v for k, v in {**result.metrics, **extra}.items()}})
+        eval_step += 1
+        return result.metrics
+
+    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
+    bar = progress(cfg.n_sft_steps, "SFT", cfg.show_progress, initial=start_step)
+    for step in range(start_step, cfg.n_sft_steps):
+        idx = sampler.next(cfg.train_batch_size)
+        total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
+        for m in range(cfg.gradient_accumulation_steps):
+            chunk = [pairs[i] for i in idx[m * micro : (m + 1) * micro]]
+            batch = tokenize_prompt_and_output([p.prompt for p in chunk], [p.response for p in chunk], tokenizer)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast():
+                out = get_response_log_probs(model, batch["input_ids"], batch["labels"], return_token_entropy=False)
+            loss, meta = sft_microbatch_train_step(out["log_probs"].float(), batch["response_mask"],
+                                                   cfg.gradient_accumulation_steps, cfg.normalize_constant)
+            n_tok = float(meta["num_response_tokens"])
+            total_loss += float(loss)
+            total_nll += float(meta["token_nll"]) * n_tok
+            total_tok += n_tok
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
+        logger.log({"train_step": step, "train/loss": total_loss, "train/token_nll": total_nll / max(total_tok, 1.0),
+                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]})
+        bar.set_postfix(nll=f"{total_nll / max(total_tok, 1.0):.3f}")
+        bar.update(1)
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.n_sft_steps:
+            run_eval(done)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            ckpts.save(done, model, tokenizer, {
+                "train_step": done, "eval_step": eval_step, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "data": sampler.state_dict(),
+                "rng": rng_state({"sampling": sample_gen}), "config": cfg.to_dict()})
+    bar.close()
+    after = run_eval(cfg.n_sft_steps)
+    save_model_and_tokenizer(model, tokenizer, run.final)
+    logger.close()
+    return SFTResult(run.path, run.final, run.metrics_path, after, len(pairs), time.perf_counter() - wall)

@@ -1,0 +1,340 @@
+"""The training-loop toolkit every method shares: seeding, optimizer and schedule, micro-batch
+planning, the optimizer step, metrics files, atomic checkpoints, run directories, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..models import save_model_and_tokenizer
+
+# ---------------------------------------------------------------- seeding and precision
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, torch (and numpy when present) in one place; optionally deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def autocast_for(dtype: str, device: torch.device | str):
+    """bf16 autocast (weights stay fp32) where asked, else a no-op context."""
+    if dtype == "bfloat16":
+        device_type = torch.device(device).type
+        return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+# ---------------------------------------------------------------- optimizer and schedule
+
+
+def make_optimizer(model, learning_rate: float, betas=(0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-8):
+    """AdamW (CS336 defaults: betas (0.9, 0.95), weight decay 0)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay, eps=eps)
+
+
+def effective_warmup(warmup_steps: int, total_steps: int) -> int:
+    """Warm-up never takes more than 10 % of a run (the seed design's rule for short runs)."""
+    return max(0, min(warmup_steps, int(0.1 * total_steps)))
+
+
+def make_scheduler(optimizer, warmup_steps: int, total_steps: int, kind: str = "constant", min_lr_ratio: float = 0.0):
+    """Linear warm-up over ``warmup_steps`` optimizer steps, then constant or cosine decay."""
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr_schedule {kind!r}; expected constant or cosine")
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optimizer_step(model, optimizer, scheduler, max_grad_norm: float | None) -> float:
+    """Clip, step, zero. Parameters that got no gradient (every row skipped) get zeros, so AdamW's
+    moments move exactly as if the zero gradient had been computed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if max_grad_norm:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+# ---------------------------------------------------------------- micro-batches
+
+
+def plan_microbatches(
+    lengths: list[int], gradient_accumulation_steps: int, token_budget: int | None = None
+) -> list[list[int]]:
+    """Split row indices into micro-batches.
+
+    Without a budget: ``gradient_accumulation_steps`` equal consecutive slices (CS336). With a
+    ``token_budget``: rows sorted by length and packed so each micro-batch's padded size
+    (rows x longest row) stays within the budget — less padding, fewer passes. The losses must
+    then be scaled by the global batch size (``global_batch_size=``), which keeps the gradient
+    equal to the fixed-micro-batch gradient.
+    """
+    n = len(lengths)
+    if token_budget is None:
+        size = n // gradient_accumulation_steps
+        return [list(range(i * size, (i + 1) * size)) for i in range(gradient_accumulation_steps)]
+    order = sorted(range(n), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([lengths[j] for j in current] + [lengths[i]])
+        if current and longest * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: list[int], device) -> dict[str, torch.Tensor]:
+    """Select rows of right-padded (B, T) tensors and trim the common padding on the right."""
+    index = torch.tensor(rows, dtype=torch.long)
+    mask = batch["response_mask"][index]
+    # the last position any selected row uses: its last response token
+    used = mask.any(0).nonzero()
+    width = int(used.max()) + 1 if len(used) else 1
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == mask.shape[1]:
+            out[k] = v[index, :width].to(device)
+        elif isinstance(v, torch.Tensor):
+            out[k] = v[index].to(device)
+    return out
+
+
+# ---------------------------------------------------------------- run directory, metrics, progress
+
+
+class RunDir:
+    """A run directory: ``config.yaml``, ``metrics.jsonl``, ``samples/``, ``checkpoints/``, ``final/``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "samples").mkdir(exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.final = self.path / "final"
+
+    def write_config(self, config: dict) -> None:
+        import yaml
+
+        atomic_write_text(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Appends one JSON object per record to ``metrics.jsonl``; mirrors to TensorBoard and W&B when
+    asked for and installed (``report_to``)."""
+
+    def __init__(self, path: Path, report_to: Iterable[str] = (), run_name: str | None = None, config: dict | None = None):
+        self.path = Path(path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        self._wandb = None
+        for target in report_to:
+            if target == "tensorboard":
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+                except ImportError:
+                    print("grpolab: tensorboard is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+            elif target == "wandb":
+                try:
+                    import wandb
+
+                    self._wandb = wandb.init(project="grpolab", name=run_name, config=config or {})
+                except ImportError:
+                    print("grpolab: wandb is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+            else:
+                raise ValueError(f"unknown report_to target {target!r}; expected tensorboard or wandb")
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        step_key = "train_step" if "train_step" in clean else "eval_step" if "eval_step" in clean else None
+        step = clean.get(step_key) if step_key else None
+        numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != step_key}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, dynamic_ncols=True, leave=True)
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Atomic checkpoints ``checkpoints/step_N/``: model + tokenizer (safetensors) and
+    ``trainer_state.pt`` (optimizer, scheduler, KL controller, RNG states, data position, step,
+    config). Written to a temporary directory, fsynced, then renamed, so a crash never leaves a
+    half-written ``step_N``; only the last ``keep_last`` are kept."""
+
+    STATE_FILE = "trainer_state.pt"
+
+    def __init__(self, root: Path, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, step: int, model, tokenizer, state: dict) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step_{step}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
+        try:
+            save_model_and_tokenizer(model, tokenizer, tmp)
+            torch.save(state, tmp / self.STATE_FILE)
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_tree(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self.all()[: -self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def all(self) -> list[Path]:
+        if not self.root.exists():
+            return []
+        done = [p for p in self.root.glob("step_*") if (p / self.STATE_FILE).exists()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest(self) -> Path | None:
+        found = self.all()
+        return found[-1] if found else None
+
+    @classmethod
+    def load_state(cls, path: Path) -> dict:
+        return torch.load(Path(path) / cls.STATE_FILE, weights_only=True)
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> dict:
+    return {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in generators.items()}}
+
+
+def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
+    torch.set_rng_state(state["torch"])
+    for k, g in generators.items():
+        g.set_state(state[k])
+
+
+class ExampleSampler:
+    """Seeded pass-by-pass shuffling of a dataset, with a resumable position."""
+
+    def __init__(self, n: int, seed: int):
+        if n == 0:
+            raise ValueError("the training set is empty")
+        self.n, self.seed = n, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = min(k - len(out), self.n - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()

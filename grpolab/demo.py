@@ -1,0 +1,133 @@
+"""``grpolab demo``: the embedded tiny model gets measurably better at arithmetic through GRPO.
+
+1. build the embedded ``tiny`` model (random init, character-level tokenizer);
+2. warm it up with SFT on worked solutions of which ``WRONG_FRACTION`` are wrong (imperfect
+   demonstrations: imitation alone reproduces their mistakes);
+3. evaluate on held-out test questions (sampled at temperature 1, as CS336 evaluates);
+4. run GRPO with the verifier's reward;
+5. evaluate again and print the before/after table; write ``metrics.jsonl`` (GRPO), a plot,
+   ``summary.json`` and ``final/`` (a Hugging Face model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.sft import SFTConfig, train_sft
+from .algorithms.toolkit import atomic_write_text, read_metrics
+from .data import get_task, load_template
+from .eval import evaluate
+from .models import load_model_and_tokenizer, save_model_and_tokenizer
+from .rollout import SamplingParams, make_backend
+
+TASK = "arithmetic"
+TASK_OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-", "wrong_fraction": 0.5}
+WRONG_FRACTION = TASK_OPTIONS["wrong_fraction"]
+SFT = dict(n_sft_steps=400, learning_rate=3e-3, train_batch_size=64, gradient_accumulation_steps=1,
+           warmup_steps=40, lr_schedule="cosine", task_train_size=3000)
+GRPO = dict(n_grpo_steps=150, learning_rate=1e-4, rollout_batch_size=128, group_size=8, train_batch_size=128,
+            gradient_accumulation_steps=2, loss_type="reinforce_with_baseline", use_std_normalization=True,
+            sampling_temperature=1.0, sampling_min_tokens=1, sampling_max_tokens=32, warmup_steps=0,
+            eval_every=25, eval_examples=200, task_train_size=3000)
+TEST_EXAMPLES = 400
+
+
+def _plot(metrics_path: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [r for r in records if "train/reward" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["grpo_step"] for r in train], [r["train/reward"] for r in train], label="train reward (rollouts)", alpha=0.6)
+    ax.plot([r["grpo_step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="validation accuracy")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("grpolab demo: GRPO on the embedded tiny model (arithmetic)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _table(before: dict, after: dict) -> str:
+    rows = [("answer accuracy", "accuracy", "{:.1%}"), ("format rate", "format_rate", "{:.1%}"),
+            ("mean response length (tokens)", "mean_length", "{:.1f}")]
+    lines = [f"{'held-out test set':32} {'SFT only':>10} {'SFT + GRPO':>11}"]
+    for label, key, fmt in rows:
+        lines.append(f"{label:32} {fmt.format(before[key]):>10} {fmt.format(after[key]):>11}")
+    return "\n".join(lines)
+
+
+def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_steps: int | None = None,
+             test_examples: int | None = None, show_progress: bool = True) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress)
+
+    start = time.perf_counter()
+    model, tokenizer = load_model_and_tokenizer("embedded:tiny", seed=seed)
+    sft_cfg = SFTConfig(**{**SFT, **common, "run_dir": str(run_dir / "sft"), "eval_examples": 1,
+                           "log_generations_samples": 0, "sampling_max_tokens": GRPO["sampling_max_tokens"]})
+    if sft_steps is not None:
+        sft_cfg = sft_cfg.model_copy(update={"n_sft_steps": sft_steps})
+    print(f"[1/4] SFT warm-up on {WRONG_FRACTION:.0%}-wrong demonstrations ({sft_cfg.n_sft_steps} steps)")
+    train_sft(sft_cfg, model=model, tokenizer=tokenizer)
+    timings["sft_s"] = time.perf_counter() - start
+
+    task = get_task(TASK, seed=seed, **TASK_OPTIONS)
+    test = task.examples("test", test_examples or TEST_EXAMPLES)
+    template = load_template(task.default_template)
+    sampling = SamplingParams(temperature=1.0, max_tokens=GRPO["sampling_max_tokens"], min_tokens=1,
+                              stop=["</answer>"], seed=seed + 12345)
+
+    def test_eval() -> dict:
+        backend = make_backend("hf", model, tokenizer)
+        return evaluate(backend, test, template, task.reward_fn, sampling).metrics
+
+    t = time.perf_counter()
+    print(f"[2/4] evaluating the SFT model on {len(test)} held-out test questions")
+    before = test_eval()
+    timings["eval_before_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    grpo_cfg = GRPOConfig(**{**GRPO, **common, "run_dir": str(run_dir / "grpo")})
+    if grpo_steps is not None:
+        grpo_cfg = grpo_cfg.model_copy(update={"n_grpo_steps": grpo_steps})
+    print(f"[3/4] GRPO ({grpo_cfg.n_grpo_steps} steps, {grpo_cfg.rollout_batch_size} rollouts each)")
+    grpo_result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer)
+    timings["grpo_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    print("[4/4] evaluating the GRPO model on the same test questions")
+    after = test_eval()
+    timings["eval_after_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - start
+
+    final = save_model_and_tokenizer(model, tokenizer, run_dir / "final")
+    plot = _plot(grpo_result.metrics_path, run_dir / "grpo_demo.png")
+    summary = {
+        "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": len(test),
+        "before": before, "after": after,
+        "accuracy_gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
+        "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
+        "paths": {"run_dir": str(run_dir), "metrics": str(grpo_result.metrics_path), "plot": str(plot), "final": str(final)},
+    }
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    print()
+    print(_table(before, after))
+    print(f"\naccuracy gain: {summary['accuracy_gain_points']:+.1f} points   wall time: {timings['total_s']:.0f} s "
+          f"(SFT {timings['sft_s']:.0f} s, GRPO {timings['grpo_s']:.0f} s)")
+    print(f"run directory: {run_dir}\nmetrics:       {grpo_result.metrics_path}\nplot:          {plot}\n"
+          f"final model:   {final}\nsummary:       {run_dir / 'summary.json'}")
+    return summary
