@@ -24,12 +24,13 @@ from .models import load_model_and_tokenizer, save_model_and_tokenizer
 from .rollout import SamplingParams, make_backend
 
 TASK = "arithmetic"
-TASK_OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-", "wrong_fraction": 0.5}
+TASK_OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-", "wrong_fraction": 0.5, "wrong_kind": "answer"}
 WRONG_FRACTION = TASK_OPTIONS["wrong_fraction"]
 SFT = dict(n_sft_steps=400, learning_rate=3e-3, train_batch_size=64, gradient_accumulation_steps=1,
            warmup_steps=40, lr_schedule="cosine", task_train_size=3000)
 GRPO = dict(n_grpo_steps=150, learning_rate=1e-4, rollout_batch_size=128, group_size=8, train_batch_size=128,
-            gradient_accumulation_steps=2, loss_type="reinforce_with_baseline", use_std_normalization=True,
+            gradient_accumulation_steps=2, loss_type="reinforce_with_baseline", use_std_normalization=False,
+            length_normalization="masked_normalize",
             sampling_temperature=1.0, sampling_min_tokens=1, sampling_max_tokens=32, warmup_steps=0,
             eval_every=25, eval_examples=200, task_train_size=3000)
 TEST_EXAMPLES = 400

@@ -220,6 +220,57 @@ def batched_log_probs(model, batch, rows_per_pass: int, device, autocast) -> tor
     return out
 
 
+def accumulate_policy_gradient(
+    model, batch: dict, rows: list[int], cfg: GRPOConfig, contributes: torch.Tensor, kl_coef: float,
+    device, autocast, normalize_constant: float, record_lp: tuple | None = None,
+) -> dict[str, float]:
+    """Forward/backward one optimizer batch (``rows`` of the rollout batch) in micro-batches,
+    leaving its gradient in ``.grad``. Returns summed figures for logging.
+
+    Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
+    losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
+    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed
+    (``micro_batch_token_budget``).
+    """
+    mask_all = batch["response_mask"][rows]
+    global_tokens = mask_all.sum().clamp(min=1)
+    lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
+    plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
+    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
+    for plan in plans:
+        live = [rows[i] for i in plan if contributes[rows[i]]]
+        if not live:
+            continue
+        mb = take_rows(batch, live, device)
+        with autocast():
+            out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True)
+        log_probs, entropy = out["log_probs"].float(), out["token_entropy"]
+        if record_lp is not None:
+            trainer_lp, trained = record_lp
+            trainer_lp[live, : log_probs.shape[1]] = log_probs.detach().cpu()
+            trained[live] = True
+        old = mb.get("old_log_probs", log_probs.detach())
+        loss, meta = grpo_microbatch_train_step(
+            log_probs, mb["response_mask"], len(plans), cfg.loss_type,
+            raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
+            cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
+            length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
+            global_num_tokens=global_tokens, global_batch_size=len(rows),
+            ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
+        )
+        mask = mb["response_mask"]
+        n_tok = float(mask.sum())
+        sums["loss"] += float(loss)
+        sums["tokens"] += n_tok
+        sums["entropy"] += float((entropy.detach().float() * mask).sum())
+        sums["approx_kl"] += float((kl_k3(old, log_probs.detach()) * mask).sum())
+        if "clip_fraction" in meta:
+            sums["clip"] += float(meta["clip_fraction"]) * n_tok
+        if "kl" in meta:
+            sums["kl"] += float(meta["kl"]) * n_tok
+    return sums
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -327,48 +378,17 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         trainer_lp = batch["old_log_probs"] if cfg.off_policy else torch.zeros(batch["labels"].shape)
         trained = torch.full((cfg.rollout_batch_size,), cfg.off_policy, dtype=torch.bool)
         signal = raw_rewards if cfg.loss_type == "no_baseline" else advantages
-        contributes = (signal != 0) | (ref_model is not None and kl_ctl.value > 0) | (not cfg.skip_zero_advantage)
+        has_tokens = batch["response_mask"].any(1)  # an empty response never reaches the loss (0/0)
+        contributes = has_tokens & ((signal != 0) | (ref_model is not None and kl_ctl.value > 0) | (not cfg.skip_zero_advantage))
 
         # 4. epochs over the rollout batch in optimizer batches of micro-batches
         step_records, stopped_early, kl_values = [], False, []
         for epoch in range(cfg.epochs_per_rollout_batch):
             for b0 in range(0, cfg.rollout_batch_size, cfg.train_batch_size):
                 rows = list(range(b0, b0 + cfg.train_batch_size))
-                mask_all = batch["response_mask"][rows]
-                global_tokens = mask_all.sum().clamp(min=1)
-                lengths = [int(batch["response_mask"][r].nonzero().max()) + 1 if batch["response_mask"][r].any() else 1 for r in rows]
-                plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
-                sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
-                for plan in plans:
-                    live = [rows[i] for i in plan if contributes[rows[i]]]
-                    if not live:
-                        continue
-                    mb = take_rows(batch, live, device)
-                    with autocast():
-                        out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True)
-                    log_probs, entropy = out["log_probs"].float(), out["token_entropy"]
-                    if epoch == 0 and not cfg.off_policy:
-                        trainer_lp[live, : log_probs.shape[1]] = log_probs.detach().cpu()
-                        trained[live] = True
-                    old = mb.get("old_log_probs", log_probs.detach())
-                    loss, meta = grpo_microbatch_train_step(
-                        log_probs, mb["response_mask"], len(plans), cfg.loss_type,
-                        raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
-                        cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
-                        length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
-                        global_num_tokens=global_tokens, global_batch_size=cfg.train_batch_size,
-                        ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_ctl.value, kl_estimator_name=cfg.kl_estimator,
-                    )
-                    mask = mb["response_mask"]
-                    n_tok = float(mask.sum())
-                    sums["loss"] += float(loss)
-                    sums["tokens"] += n_tok
-                    sums["entropy"] += float((entropy.detach().float() * mask).sum())
-                    sums["approx_kl"] += float((kl_k3(old, log_probs.detach()) * mask).sum())
-                    if "clip_fraction" in meta:
-                        sums["clip"] += float(meta["clip_fraction"]) * n_tok
-                    if "kl" in meta:
-                        sums["kl"] += float(meta["kl"]) * n_tok
+                record_lp = (trainer_lp, trained) if epoch == 0 and not cfg.off_policy else None
+                sums = accumulate_policy_gradient(model, batch, rows, cfg, contributes, kl_ctl.value, device,
+                                                  autocast, normalize_constant, record_lp)
                 grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
                 tok = max(sums["tokens"], 1.0)
                 approx_kl = sums["approx_kl"] / tok

@@ -7,9 +7,11 @@ Worked solutions use the R1-Zero format, as the response that follows the prompt
 
     3+5=8 8-2=6</think> <answer>6</answer>
 
-``wrong_fraction`` makes that fraction of the worked solutions wrong (one step's result is off, the
-error carried to the final answer), like imperfect distilled traces: imitation alone then plateaus,
-and a verifier-driven method can beat it. Ground-truth answers are always right.
+``wrong_fraction`` makes that fraction of the worked solutions wrong, like imperfect distilled
+traces: imitation alone then plateaus, and a verifier-driven method can beat it. ``wrong_kind``
+says how: ``"step"`` (one step's result is off and the error is carried to the final answer) or
+``"answer"`` (the steps are right but the final answer is off — the right work, the wrong answer).
+Ground-truth answers are always right.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Task:
 
     seed: int = 0
     wrong_fraction: float = 0.0
+    wrong_kind: str = "step"
     name = "task"
     default_template = "compact"
     reward_fn: Callable[[str, Any], dict] = None  # set by subclasses
@@ -51,6 +54,8 @@ class Task:
     def __post_init__(self):
         if not 0.0 <= self.wrong_fraction <= 1.0:
             raise ValueError(f"wrong_fraction must be within [0, 1], got {self.wrong_fraction}")
+        if self.wrong_kind not in ("step", "answer"):
+            raise ValueError(f"wrong_kind must be 'step' or 'answer', got {self.wrong_kind!r}")
 
     def _make(self, rng: random.Random, wrong: bool) -> Example:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -103,7 +108,7 @@ class ArithmeticTask(Task):
         ops = [rng.choice(self.ops) for _ in range(self.num_ops)]
         question = "".join(f"{n}{o}" for n, o in zip(nums, ops)) + str(nums[-1])
         steps, true_steps = [], []
-        wrong_step = rng.randrange(self.num_ops) if wrong else -1
+        wrong_step = rng.randrange(self.num_ops) if wrong and self.wrong_kind == "step" else -1
         values, true_values, ops_left = list(nums), list(nums), list(ops)
         step = 0
         while ops_left:
@@ -120,7 +125,8 @@ class ArithmeticTask(Task):
             ops_left.pop(i)
             step += 1
         answer = true_values[0]
-        solution = " ".join(steps) + f"</think> <answer>{values[0]}</answer>"
+        final = _wrong(values[0], rng) if wrong and self.wrong_kind == "answer" else values[0]
+        solution = " ".join(steps) + f"</think> <answer>{final}</answer>"
         return Example(question, str(answer), solution)
 
 

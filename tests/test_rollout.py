@@ -1,0 +1,130 @@
+"""The Hugging Face rollout backend: exact ids, sampler log-probs, stops, min/max tokens, seeds."""
+
+import pytest
+import torch
+
+from grpolab.core import build_sequences, get_response_log_probs
+from grpolab.models import load_model_and_tokenizer
+from grpolab.rollout import HFRolloutBackend, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model_and_tokenizer("embedded:tiny", seed=0)
+
+
+PROMPTS = ["Q: 1+2\nA: <think>", "Q: 33+4-5\nA: <think>", "Hi"]
+
+
+def test_groups_are_prompt_major_and_logprobs_match_trainer(lm):
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok)
+    out = backend.generate(PROMPTS, 3, SamplingParams(max_tokens=12, seed=0))
+    assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(r.prompt == PROMPTS[r.prompt_index] for r in out)
+    for r in out:
+        assert r.prompt_ids == tok(r.prompt, add_special_tokens=False)["input_ids"]
+        assert len(r.logprobs) == len(r.response_ids) >= 1
+        assert r.finish_reason in ("eos", "length", "stop")
+        assert r.response == tok.decode(r.response_ids, skip_special_tokens=True)
+    batch = build_sequences([r.prompt_ids for r in out], [r.response_ids for r in out], tok.pad_token_id)
+    with torch.no_grad():
+        lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
+    for i, r in enumerate(out):
+        start = len(r.prompt_ids) - 1
+        trainer = lp[i, start : start + len(r.response_ids)]
+        assert torch.allclose(trainer, torch.tensor(r.logprobs), atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(lm):
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok)
+    a = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=10, seed=5))
+    b = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=10, seed=5))
+    c = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=10, seed=6))
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert [r.response_ids for r in a] != [r.response_ids for r in c]
+
+
+def test_greedy_matches_hf_generate(lm):
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok)
+    ours = backend.generate(PROMPTS[:2], 1, SamplingParams(temperature=0.0, max_tokens=8))
+    for r in ours:
+        ids = torch.tensor([r.prompt_ids])
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id, attention_mask=torch.ones_like(ids))
+        assert ref[0, ids.shape[1]:].tolist()[: len(r.response_ids)] == r.response_ids
+
+
+class _Scripted(torch.nn.Module):
+    """A 'model' that emits a fixed token script regardless of input (to test stop handling)."""
+
+    def __init__(self, script, vocab):
+        super().__init__()
+        self.script, self.vocab = script, vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, logits_to_keep=0):
+        step = 0 if cache is None else cache["step"] + 1
+        b, t = input_ids.shape
+        logits = torch.full((b, t, self.vocab), -1e4)
+        logits[:, :, self.script[min(step, len(self.script) - 1)]] = 1e4
+        return _Out(logits=logits, cache=_ScriptCache(step))
+
+
+class _ScriptCache(dict):
+    def __init__(self, step):
+        super().__init__(step=step)
+
+    def batch_repeat_interleave(self, n):
+        pass
+
+    def batch_select_indices(self, idx):
+        pass
+
+
+class _Out(dict):
+    def __getattr__(self, k):
+        return self[k]
+
+
+def _scripted_backend(tok, text, extra=()):
+    ids = tok(text, add_special_tokens=False)["input_ids"] + list(extra)
+    return HFRolloutBackend(_Scripted(ids, len(tok)), tok)
+
+
+def test_stop_string_kept_and_finish_reasons(lm):
+    _, tok = lm
+    # single-token stop (the </answer> tag is one token in the embedded tokenizer)
+    backend = _scripted_backend(tok, "1+1=2</think> <answer>2</answer> and more text")
+    r = backend.generate(["Q"], 1, SamplingParams(max_tokens=40, stop=["</answer>"]))[0]
+    assert r.response == "1+1=2</think> <answer>2</answer>" and r.finish_reason == "stop"
+    # multi-token stop string, checked on the decoded text
+    r = backend.generate(["Q"], 1, SamplingParams(max_tokens=40, stop=["=2"]))[0]
+    assert r.response == "1+1=2" and r.finish_reason == "stop"
+    # a stop string that ends inside a token keeps the whole token (the sampled ids are trained on)
+    r = backend.generate(["Q"], 1, SamplingParams(max_tokens=40, stop=["2</"]))[0]
+    assert r.response == "1+1=2</think>" and r.finish_reason == "stop"
+    # length
+    r = backend.generate(["Q"], 2, SamplingParams(max_tokens=3, stop=["</answer>"]))[1]
+    assert r.response == "1+1" and r.finish_reason == "length" and len(r.response_ids) == 3
+    # eos is kept in the ids (it is trained on) but not in the text
+    eos_backend = _scripted_backend(tok, "ab", extra=[tok.eos_token_id])
+    r = eos_backend.generate(["Q"], 1, SamplingParams(max_tokens=10))[0]
+    assert r.finish_reason == "eos" and r.response == "ab" and r.response_ids[-1] == tok.eos_token_id
+
+
+def test_min_tokens_blocks_eos_and_stops(lm):
+    _, tok = lm
+    backend = _scripted_backend(tok, "", extra=[tok.eos_token_id])  # wants to end at once
+    r = backend.generate(["Q"], 1, SamplingParams(max_tokens=5, min_tokens=3, temperature=0.0))[0]
+    assert len(r.response_ids) >= 3
+    assert tok.eos_token_id not in r.response_ids[:3]
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
