@@ -67,7 +67,8 @@ def test_gsm8k_loader(tmp_path):
     ])
     with pytest.raises(DataError, match=r"gsm8k.jsonl:2: no '####'"):
         load_gsm8k(f)
-    ex = load_gsm8k(f, on_error="skip")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        ex = load_gsm8k(f, on_error="skip")
     assert ex[0].answer == "1300"
     assert ex[0].solution == "She sells 16 - 3 = 13.</think> <answer>1300</answer>"
     assert gsm8k_final_answer("x\n#### -5") == "-5"
@@ -80,8 +81,9 @@ def test_math_loader_nested_boxed(tmp_path):
     ])
     with pytest.raises(DataError, match=r"math.jsonl:2:.*boxed"):
         load_math(f)
-    assert load_math(f, on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
-    assert load_examples(str(f), on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
+    with pytest.warns(UserWarning, match="skipped 1"):
+        assert load_math(f, on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
+        assert load_examples(str(f), on_error="skip")[0].answer == "\\frac{1}{\\sqrt{2}}"
 
 
 def test_sft_and_preference_loaders(tmp_path):

@@ -101,22 +101,24 @@ def _rollout_batch(group_size=4, n_prompts=4, seed=0):
     batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], tok.pad_token_id)
     batch["advantages"] = normalize_group_rewards(raw, group_size, 1e-6, True).unsqueeze(1)
     batch["raw_rewards"] = raw.unsqueeze(1)
-    return model, batch
+    batch["pad_id"] = tok.pad_token_id
+    sequences = [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts]
+    return model, batch, sequences
 
 
-def _grad(model, batch, cfg, contributes):
+def _grad(model, batch, cfg, contributes, sequences=None):
     model.zero_grad(set_to_none=True)
     from contextlib import nullcontext
 
     n = batch["labels"].shape[0]
     accumulate_policy_gradient(model, batch, list(range(n)), cfg, contributes, 0.0, torch.device("cpu"),
-                               nullcontext, float(cfg.sampling_max_tokens))
+                               nullcontext, float(cfg.sampling_max_tokens), sequences=sequences)
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("mode", ["masked_mean", "masked_normalize", "token_mean"])
 def test_dynamic_microbatching_and_skipping_leave_the_gradient_unchanged(tmp_path, mode):
-    model, batch = _rollout_batch()
+    model, batch, sequences = _rollout_batch()
     n = batch["labels"].shape[0]
     fixed = small_cfg(tmp_path, rollout_batch_size=n, train_batch_size=n, gradient_accumulation_steps=4,
                       length_normalization=mode, skip_zero_advantage=False)
@@ -130,10 +132,14 @@ def test_dynamic_microbatching_and_skipping_leave_the_gradient_unchanged(tmp_pat
     skip = batch["advantages"].squeeze(1) != 0
     assert not skip.all()
     assert torch.allclose(_grad(model, batch, dynamic, skip), reference, atol=1e-6)
+    # each prompt computed once for its group: the same gradient
+    assert torch.allclose(_grad(model, batch, fixed, all_rows, sequences), reference, atol=1e-6)
+    assert torch.allclose(_grad(model, batch, dynamic, skip, sequences), reference, atol=1e-6)
+    assert torch.allclose(_grad(model, batch, one_big, skip, sequences), reference, atol=1e-6)
 
 
 def test_empty_response_never_reaches_the_loss_as_nan(tmp_path):
-    model, batch = _rollout_batch()
+    model, batch, _ = _rollout_batch()
     n = batch["labels"].shape[0]
     batch["response_mask"][1] = False  # row 1 as if the response were empty
     cfg = small_cfg(tmp_path, rollout_batch_size=n, train_batch_size=n, gradient_accumulation_steps=2)

@@ -37,6 +37,7 @@ from ..data import load_examples, load_template
 from ..data.tasks import get_task
 from ..eval import evaluate, log_generations
 from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..models.shared_prefix import label_to_response_layout, shared_prefix_response_log_probs, supports_shared_prefix
 from ..rewards import RewardScorer, build_reward
 from ..rollout import SamplingParams, make_backend
 from .config import BaseConfig
@@ -111,6 +112,7 @@ class GRPOConfig(BaseConfig):
     device: str = "auto"
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
+    share_prompt_prefix: bool = True  # run each prompt once per micro-batch for its whole group (same gradient)
     rollout_backend: Literal["hf"] = "hf"
     rollout_max_batch_size: int = Field(256, ge=1)
     reward_timeout_s: float = Field(10.0, ge=0)
@@ -223,6 +225,7 @@ def batched_log_probs(model, batch, rows_per_pass: int, device, autocast) -> tor
 def accumulate_policy_gradient(
     model, batch: dict, rows: list[int], cfg: GRPOConfig, contributes: torch.Tensor, kl_coef: float,
     device, autocast, normalize_constant: float, record_lp: tuple | None = None,
+    sequences: list[tuple[list[int], list[int], int]] | None = None,
 ) -> dict[str, float]:
     """Forward/backward one optimizer batch (``rows`` of the rollout batch) in micro-batches,
     leaving its gradient in ``.grad``. Returns summed figures for logging.
@@ -230,24 +233,35 @@ def accumulate_policy_gradient(
     Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
     losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
     fixed-micro-batch gradient whether or not rows are skipped and however rows are packed
-    (``micro_batch_token_budget``).
+    (``micro_batch_token_budget``). With ``sequences`` (each row's prompt ids, response ids and
+    prompt index) and ``share_prompt_prefix``, each distinct prompt in a micro-batch is run once
+    and shared by its responses (``models.shared_prefix``): the same gradient, fewer tokens.
     """
     mask_all = batch["response_mask"][rows]
     global_tokens = mask_all.sum().clamp(min=1)
     lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
     plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
     sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
+    shared = sequences is not None and cfg.share_prompt_prefix and supports_shared_prefix(model)
     for plan in plans:
         live = [rows[i] for i in plan if contributes[rows[i]]]
         if not live:
             continue
-        mb = take_rows(batch, live, device)
-        with autocast():
-            out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True)
-        log_probs, entropy = out["log_probs"].float(), out["token_entropy"]
+        if shared:
+            mb, log_probs, entropy = _shared_prefix_microbatch(model, batch, live, sequences, device, autocast)
+        else:
+            mb = take_rows(batch, live, device)
+            with autocast():
+                out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True)
+            log_probs, entropy = out["log_probs"].float(), out["token_entropy"]
         if record_lp is not None:
             trainer_lp, trained = record_lp
-            trainer_lp[live, : log_probs.shape[1]] = log_probs.detach().cpu()
+            if shared:
+                for j, r in enumerate(live):
+                    start, n = len(sequences[r][0]) - 1, len(sequences[r][1])
+                    trainer_lp[r, start : start + n] = log_probs[j, :n].detach().cpu()
+            else:
+                trainer_lp[live, : log_probs.shape[1]] = log_probs.detach().cpu()
             trained[live] = True
         old = mb.get("old_log_probs", log_probs.detach())
         loss, meta = grpo_microbatch_train_step(
@@ -269,6 +283,31 @@ def accumulate_policy_gradient(
         if "kl" in meta:
             sums["kl"] += float(meta["kl"]) * n_tok
     return sums
+
+
+def _shared_prefix_microbatch(model, batch, live, sequences, device, autocast):
+    """Log-probs of ``live`` rows with each distinct prompt computed once; per-token tensors of the
+    micro-batch (mask, old/ref log-probs) come back in the same response layout."""
+    distinct: dict[int, int] = {}
+    prompts, prompt_of_row = [], []
+    for r in live:
+        p_ids, _, p_index = sequences[r]
+        if p_index not in distinct:
+            distinct[p_index] = len(prompts)
+            prompts.append(p_ids)
+        prompt_of_row.append(distinct[p_index])
+    with autocast():
+        out = shared_prefix_response_log_probs(
+            model, prompts, [sequences[r][1] for r in live], prompt_of_row, batch["pad_id"], device, return_token_entropy=True)
+    index = torch.tensor(live)
+    p_lens = [len(sequences[r][0]) for r in live]
+    r_lens = [len(sequences[r][1]) for r in live]
+    mb = {"response_mask": out["response_mask"], "advantages": batch["advantages"][index].to(device),
+          "raw_rewards": batch["raw_rewards"][index].to(device)}
+    for key in ("old_log_probs", "ref_log_probs"):
+        if key in batch:
+            mb[key] = label_to_response_layout(batch[key][index], p_lens, r_lens).to(device)
+    return mb, out["log_probs"].float(), out["token_entropy"]
 
 
 # ---------------------------------------------------------------- the loop
@@ -369,6 +408,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
         batch["advantages"] = advantages.unsqueeze(1)
         batch["raw_rewards"] = raw_rewards.unsqueeze(1)
+        batch["pad_id"] = pad_id
+        sequences = [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts]
         rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
         if cfg.off_policy:
             batch["old_log_probs"] = batched_log_probs(model, batch, rows_per_pass, device, autocast)
@@ -388,7 +429,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
                 rows = list(range(b0, b0 + cfg.train_batch_size))
                 record_lp = (trainer_lp, trained) if epoch == 0 and not cfg.off_policy else None
                 sums = accumulate_policy_gradient(model, batch, rows, cfg, contributes, kl_ctl.value, device,
-                                                  autocast, normalize_constant, record_lp)
+                                                  autocast, normalize_constant, record_lp, sequences)
                 grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
                 tok = max(sums["tokens"], 1.0)
                 approx_kl = sums["approx_kl"] / tok

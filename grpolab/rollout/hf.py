@@ -4,7 +4,9 @@ Why not ``model.generate``: we need the sampler's per-token log-probs, stop stri
 output, ``min_tokens``, and exact finish reasons, with little per-step overhead. The loop:
 
 1. left-pad the prompts and prefill each prompt once (only the last position's logits are
-   computed), then repeat its KV cache ``n`` times — the group shares one prefill;
+   computed), then repeat its KV cache ``n`` times — the group shares one prefill. For
+   Llama/Qwen2-architecture models a lean forward (``fast_decoder``) replaces the Hugging Face
+   forward, whose per-call overhead dominates small models; other models use the latter;
 2. sample token by token (temperature, top-p; greedy at temperature 0) with an explicit
    ``torch.Generator`` so runs are reproducible and resumable;
 3. drop a row from the KV cache as soon as it finishes, so long tails do not pay for finished
@@ -20,7 +22,47 @@ from typing import Sequence
 import torch
 
 from ..core import pad_token_id
+from . import fast_decoder
 from .base import Rollout, SamplingParams
+
+
+class _HFEngine:
+    """The Hugging Face forward with its KV cache, behind the engine interface the loop uses."""
+
+    def __init__(self, model, cache_kw: str):
+        self.model, self.cache_kw = model, cache_kw
+
+    def _call(self, ids, last_only=False):
+        kwargs = {"use_cache": True}
+        if self.cache is not None:
+            kwargs[self.cache_kw] = self.cache
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.pos, **kwargs)
+        self.cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits[:, -1, :].float()
+
+    def prefill(self, ids, mask, max_new):
+        self.cache, self.mask = None, mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.pos = positions
+        logits = self._call(ids, last_only=True)
+        self.pos = positions[:, -1:]
+        return logits
+
+    def repeat(self, n):
+        self.cache.batch_repeat_interleave(n)
+        self.mask = self.mask.repeat_interleave(n, 0)
+        self.pos = self.pos.repeat_interleave(n, 0)
+
+    def select(self, keep):
+        self.cache.batch_select_indices(keep)
+        self.mask, self.pos = self.mask[keep], self.pos[keep]
+
+    def step(self, tokens):
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.pos = self.pos + 1
+        return self._call(tokens.unsqueeze(-1))
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -41,6 +83,7 @@ class HFRolloutBackend:
         max_batch_size: int = 256,
         autocast_dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
+        fast_path: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -53,6 +96,8 @@ class HFRolloutBackend:
         # transformers 5 calls the cache argument ``cache``; 4.x calls it ``past_key_values``
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._stop_cache: dict[tuple[str, ...], tuple[list[int] | None, int]] = {}
+        self.fast_path = fast_path
+        self._fast = None
 
     def sync_weights(self, model) -> None:
         self.model = model
@@ -69,15 +114,14 @@ class HFRolloutBackend:
                 self._stop_cache[key] = (None, max((len(e) for e in encoded), default=0) + 2)
         return self._stop_cache[key]
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache=None, last_only=False):
-        kwargs = {"use_cache": True}
-        if cache is not None:
-            kwargs[self._cache_kw] = cache
-        if last_only:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-        return out.logits[:, -1, :].float(), new_cache
+    def _engine(self):
+        if self.fast_path and fast_decoder.supports(self.model):
+            if self._fast is None or self._fast.model is not self.model:
+                self._fast = fast_decoder.FastDecoder(self.model)
+            else:
+                self._fast.refresh()  # the weights changed since the last call
+            return self._fast
+        return _HFEngine(self.model, self._cache_kw)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -118,14 +162,11 @@ class HFRolloutBackend:
             ids[row, width - lengths[row] :] = torch.tensor(prompt_ids[i])
             mask[row, width - lengths[row] :] = 1
         ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, positions, last_only=True)
+        engine = self._engine()
+        logits = engine.prefill(ids, mask, sampling.max_tokens)
         if n > 1:
-            cache.batch_repeat_interleave(n)
+            engine.repeat(n)
             logits = logits.repeat_interleave(n, 0)
-            mask = mask.repeat_interleave(n, 0)
-            positions = positions.repeat_interleave(n, 0)
-        next_pos = positions[:, -1:] + 1
 
         batch = len(chunk) * n
         max_tokens = sampling.max_tokens
@@ -158,7 +199,7 @@ class HFRolloutBackend:
             out_len[rows] = t + 1
 
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-            if t + 1 > sampling.min_tokens or t + 1 == max_tokens:
+            if t + 1 >= sampling.min_tokens:
                 if self.eos_id is not None:
                     is_eos = next_tok == self.eos_id
                     for r in is_eos.nonzero().flatten().tolist():
@@ -178,15 +219,12 @@ class HFRolloutBackend:
                             done[r] = True
             if t + 1 == max_tokens or bool(done.all()):
                 break
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-            input_tok, pos = next_tok.unsqueeze(-1), next_pos
             if bool(done.any()):
                 # finished rows leave the cache at once: later steps only pay for live rows
                 keep = (~done).nonzero().flatten()
-                cache.batch_select_indices(keep)
-                mask, input_tok, pos, active = mask[keep], input_tok[keep], pos[keep], active[keep.cpu()]
-            logits, cache = self._forward(input_tok, mask, pos, cache=cache)
-            next_pos = pos + 1
+                engine.select(keep)
+                next_tok, active = next_tok[keep], active[keep.cpu()]
+            logits = engine.step(next_tok)
 
         out = []
         for row in range(batch):
