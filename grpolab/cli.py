@@ -91,6 +91,94 @@ def sft(
         typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
 
 
+@app.command(context_settings=EXTRA)
+def ei(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+    """Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them."""
+    _quiet_hf()
+    from .algorithms.expert_iteration import EIConfig, train_expert_iteration
+
+    try:
+        result = train_expert_iteration(_build(EIConfig, config, ctx.args, None))
+    except _user_errors() as exc:
+        _fail(str(exc))
+    typer.echo(f"filtered set sizes: {result.filtered_sizes}\nrun directory: {result.run_dir}\nfinal model:   {result.final_dir}")
+    if result.after:
+        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+
+
+@app.command(context_settings=EXTRA)
+def ppo(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+    """PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."""
+    _quiet_hf()
+    from .algorithms.ppo import PPOConfig, train_ppo
+
+    try:
+        result = train_ppo(_build(PPOConfig, config, ctx.args, None))
+    except _user_errors() as exc:
+        _fail(str(exc))
+    typer.echo(f"run directory: {result.run_dir}\nfinal model:   {result.final_dir}\nmetrics:       {result.metrics_path}")
+    if result.after:
+        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+
+
+@app.command(context_settings=EXTRA)
+def dpo(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+    """DPO on preference pairs; reports held-out preference accuracy."""
+    _quiet_hf()
+    from .algorithms.dpo import DPOConfig, train_dpo
+
+    try:
+        result = train_dpo(_build(DPOConfig, config, ctx.args, None))
+    except _user_errors() as exc:
+        _fail(str(exc))
+    typer.echo(f"held-out preference accuracy: {result.before['preference_accuracy']:.3f} -> "
+               f"{result.after['preference_accuracy']:.3f}\nrun directory: {result.run_dir}\nfinal model:   {result.final_dir}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Option(..., "--model", help="A Hugging Face model directory (or embedded:tiny)."),
+    data: str = typer.Option(..., "--data", help="Questions: a JSONL file (GSM8K, MATH, plain) or task:NAME (embedded)."),
+    prompt_template: Optional[str] = typer.Option(None, "--prompt-template"),
+    reward: Optional[str] = typer.Option(None, "--reward"),
+    k: int = typer.Option(4, "--k", help="Samples per question (pass@k, maj@k, consistency)."),
+    n: int = typer.Option(200, "--n", help="Questions to evaluate."),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_tokens: int = typer.Option(1024, "--max-tokens"),
+    corpus: Optional[str] = typer.Option(None, "--corpus", help="Text/JSONL file or hf:NAME for perplexity."),
+    out: Path = typer.Option(Path("runs/eval"), "--out", help="Where eval.json and generations.jsonl go."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
+    _quiet_hf()
+    from .data import get_task, load_examples, load_template
+    from .eval.report import corpus_token_ids, evaluate_model, format_table, write_report
+    from .models import load_model_and_tokenizer
+    from .rewards import build_reward
+    from .rollout import make_backend
+
+    try:
+        lm, tok = load_model_and_tokenizer(model)
+        if data.startswith("task:"):
+            task = get_task(data[5:], seed=seed)
+            examples = task.examples("test", n)
+            template = load_template(prompt_template or task.default_template)
+            reward_fn = build_reward(reward) if reward else task.reward_fn
+        else:
+            examples = list(load_examples(data))[:n]
+            template = load_template(prompt_template or "r1_zero")
+            reward_fn = build_reward(reward or "r1_zero")
+        corpus_ids = corpus_token_ids(corpus, tok) if corpus else None
+        metrics, generations = evaluate_model(lm, tok, make_backend("hf", lm, tok), examples, template, reward_fn,
+                                              k=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                              corpus_ids=corpus_ids)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    write_report(out, metrics, generations)
+    typer.echo(format_table(metrics))
+    typer.echo(f"\nwritten: {out / 'eval.json'}, {out / 'generations.jsonl'}")
+
+
 @app.command()
 def demo(
     run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="Where the demo writes everything."),

@@ -145,6 +145,27 @@ def _looks_like_sft_pairs(path: str) -> bool:
     return False
 
 
+def accumulate_sft_gradient(model, tokenizer, pairs: list[SFTPair], gradient_accumulation_steps: int,
+                            normalize_constant: float, device, autocast) -> tuple[float, float, float]:
+    """Forward/backward one optimizer batch of (prompt, response) pairs in equal micro-batches, loss
+    on the response tokens only. Returns (loss, summed token NLL, response tokens)."""
+    micro = len(pairs) // gradient_accumulation_steps
+    total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
+    for m in range(gradient_accumulation_steps):
+        chunk = pairs[m * micro : (m + 1) * micro]
+        batch = tokenize_prompt_and_output([p.prompt for p in chunk], [p.response for p in chunk], tokenizer)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast():
+            out = get_response_log_probs(model, batch["input_ids"], batch["labels"])
+        loss, meta = sft_microbatch_train_step(out["log_probs"].float(), batch["response_mask"],
+                                               gradient_accumulation_steps, normalize_constant)
+        n_tok = float(meta["num_response_tokens"])
+        total_loss += float(loss)
+        total_nll += float(meta["token_nll"]) * n_tok
+        total_tok += n_tok
+    return total_loss, total_nll, total_tok
+
+
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False) -> SFTResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
     wall = time.perf_counter()
@@ -194,23 +215,12 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         eval_step += 1
         return result.metrics
 
-    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
     bar = progress(cfg.n_sft_steps, "SFT", cfg.show_progress, initial=start_step)
     for step in range(start_step, cfg.n_sft_steps):
         idx = sampler.next(cfg.train_batch_size)
-        total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
-        for m in range(cfg.gradient_accumulation_steps):
-            chunk = [pairs[i] for i in idx[m * micro : (m + 1) * micro]]
-            batch = tokenize_prompt_and_output([p.prompt for p in chunk], [p.response for p in chunk], tokenizer)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast():
-                out = get_response_log_probs(model, batch["input_ids"], batch["labels"], return_token_entropy=False)
-            loss, meta = sft_microbatch_train_step(out["log_probs"].float(), batch["response_mask"],
-                                                   cfg.gradient_accumulation_steps, cfg.normalize_constant)
-            n_tok = float(meta["num_response_tokens"])
-            total_loss += float(loss)
-            total_nll += float(meta["token_nll"]) * n_tok
-            total_tok += n_tok
+        total_loss, total_nll, total_tok = accumulate_sft_gradient(
+            model, tokenizer, [pairs[i] for i in idx], cfg.gradient_accumulation_steps, cfg.normalize_constant,
+            device, autocast)
         grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
         logger.log({"train_step": step, "train/loss": total_loss, "train/token_nll": total_nll / max(total_tok, 1.0),
                     "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]})

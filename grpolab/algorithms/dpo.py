@@ -1,0 +1,224 @@
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023; CS336 A5 supplement).
+
+``compute_per_instance_dpo_loss`` has the CS336 supplement's signature and semantics: both
+sequences are the Alpaca-formatted prompt with the response and an end-of-sequence token; the
+loss is ``-log sigmoid(beta * ((log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))))``
+over the response tokens. ``train_dpo`` (``grpolab dpo``) trains on a preference JSONL
+(``{prompt, chosen, rejected}``) or on pairs built from an embedded task (a correct worked solution
+preferred to a wrong one), and reports preference accuracy on held-out pairs.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from ..core import compute_dpo_loss, get_response_log_probs, tokenize_prompt_and_output
+from ..data import PreferencePair, get_task, load_preferences, load_template
+from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from .config import BaseConfig
+from .grpo import resolve_device
+from .toolkit import (
+    ExampleSampler,
+    MetricsLogger,
+    RunDir,
+    effective_warmup,
+    make_optimizer,
+    make_scheduler,
+    optimizer_step,
+    progress,
+    seed_everything,
+)
+
+ALPACA_TEMPLATE = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def _response_log_prob(lm, tokenizer, prompt_text: str, response_text: str) -> torch.Tensor:
+    """Sum of log-probs of the response tokens (prompt and response tokenised separately)."""
+    batch = tokenize_prompt_and_output([prompt_text], [response_text], tokenizer)
+    device = next(lm.parameters()).device
+    lp = get_response_log_probs(lm, batch["input_ids"].to(device), batch["labels"].to(device))["log_probs"]
+    return (lp * batch["response_mask"].to(device)).sum(-1)[0]
+
+
+def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str,
+                                  response_rejected: str) -> torch.Tensor:
+    """Per-instance DPO loss (CS336 A5 supplement): Alpaca-formatted prompt, response + EOS."""
+    prompt_text = ALPACA_TEMPLATE.format(instruction=prompt)
+    eos = tokenizer.eos_token or ""
+    chosen, rejected = response_chosen + eos, response_rejected + eos
+    lp_c = _response_log_prob(lm, tokenizer, prompt_text, chosen)
+    lp_r = _response_log_prob(lm, tokenizer, prompt_text, rejected)
+    with torch.no_grad():
+        ref_c = _response_log_prob(lm_ref, tokenizer, prompt_text, chosen).to(lp_c.device)
+        ref_r = _response_log_prob(lm_ref, tokenizer, prompt_text, rejected).to(lp_c.device)
+    return compute_dpo_loss(lp_c, lp_r, ref_c, ref_r, beta)
+
+
+class DPOConfig(BaseConfig):
+    model: str = "embedded:tiny"
+    task: str | None = "arithmetic"  # pairs from an embedded task: correct solution > wrong one
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    task_train_size: int = Field(1000, ge=1)
+    train_data: str | None = None  # preference JSONL {prompt, chosen, rejected}
+    eval_data: str | None = None  # held-out pairs (default: the task's validation split / 10 % of the file)
+    prompt_template: str | None = None  # for task questions (the pairs' prompts are formatted with it)
+    use_alpaca_template: bool = False  # wrap prompts in the Alpaca template (CS336 supplement)
+    beta: float = Field(0.1, gt=0)
+    n_dpo_steps: int = Field(100, ge=1)
+    learning_rate: float = Field(1e-6, gt=0)
+    train_batch_size: int = Field(16, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    eval_every: int = Field(0, ge=0)
+    eval_pairs: int = Field(200, ge=1)
+    device: str = "auto"
+    run_dir: str = "runs/dpo"
+    seed: int = 0
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.train_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be divisible by "
+                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
+        if (self.task is None) == (self.train_data is None):
+            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
+        return self
+
+
+@dataclass
+class DPOResult:
+    run_dir: Path
+    final_dir: Path
+    metrics_path: Path
+    before: dict[str, float]
+    after: dict[str, float]
+    wall_s: float
+
+
+def task_preference_pairs(task_name: str, split: str, n: int, seed: int, options: dict, template) -> list[PreferencePair]:
+    """(prompt, correct worked solution, wrong worked solution) from an embedded task."""
+    good = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0}).examples(split, n)
+    bad = {e.question: e for e in get_task(task_name, seed=seed, **{**options, "wrong_fraction": 1.0}).examples(split, n)}
+    pairs = []
+    for e in good:
+        wrong = bad.get(e.question)
+        if wrong is not None and wrong.solution != e.solution:
+            pairs.append(PreferencePair(template.format(e.question), e.solution, wrong.solution))
+    return pairs
+
+
+def _pairs(cfg: DPOConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    if cfg.task is not None:
+        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        template = load_template(cfg.prompt_template or task.default_template)
+        train = task_preference_pairs(cfg.task, "train", cfg.task_train_size, cfg.seed, cfg.task_options, template)
+        held = task_preference_pairs(cfg.task, "validation", cfg.eval_pairs, cfg.seed, cfg.task_options, template)
+        return train, held
+    pairs = list(load_preferences(cfg.train_data))
+    if cfg.eval_data:
+        return pairs, list(load_preferences(cfg.eval_data))[: cfg.eval_pairs]
+    rng = random.Random(cfg.seed)
+    rng.shuffle(pairs)
+    n_held = max(1, len(pairs) // 10)
+    return pairs[n_held:], pairs[:n_held][: cfg.eval_pairs]
+
+
+def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = (lambda p: ALPACA_TEMPLATE.format(instruction=p)) if alpaca else (lambda p: p)
+    eos = tokenizer.eos_token or ""
+    prompts = [fmt(p.prompt) for p in pairs] * 2
+    responses = [p.chosen + eos for p in pairs] + [p.rejected + eos for p in pairs]
+    batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    lp = get_response_log_probs(lm, batch["input_ids"], batch["labels"])["log_probs"]
+    sums = (lp * batch["response_mask"]).sum(-1)
+    return sums[: len(pairs)], sums[len(pairs):]
+
+
+@torch.no_grad()
+def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batch_size: int = 32) -> dict[str, float]:
+    """Held-out preference accuracy: the share of pairs whose implicit reward margin
+    ``beta * ((c - c_ref) - (r - r_ref))`` is positive; also the mean DPO loss and margin."""
+    correct, losses, margins = 0, [], []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i : i + batch_size]
+        c, r = _batch_logps(lm, tokenizer, chunk, alpaca, device)
+        rc, rr = _batch_logps(lm_ref, tokenizer, chunk, alpaca, device)
+        margin = beta * ((c - rc) - (r - rr))
+        correct += int((margin > 0).sum())
+        losses.append(compute_dpo_loss(c, r, rc, rr, beta))
+        margins.append(margin)
+    return {"preference_accuracy": correct / max(1, len(pairs)), "dpo_loss": float(torch.cat(losses).mean()),
+            "reward_margin": float(torch.cat(margins).mean()), "chosen_more_likely": float("nan")}
+
+
+def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> DPOResult:
+    wall = time.perf_counter()
+    seed_everything(cfg.seed)
+    run = RunDir(cfg.run_dir)
+    run.write_config(cfg.to_dict())
+    run.metrics_path.write_text("")
+    device = resolve_device(cfg.device)
+    if model is None:
+        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    model.to(device).train()
+    ref = (ref_model or copy.deepcopy(model)).to(device).eval().requires_grad_(False)
+    train, held = _pairs(cfg)
+    if not train:
+        raise ValueError("no training pairs")
+    logger = MetricsLogger(run.metrics_path)
+    optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, effective_warmup(cfg.warmup_steps, cfg.n_dpo_steps), cfg.n_dpo_steps, cfg.lr_schedule)
+    sampler = ExampleSampler(len(train), cfg.seed)
+
+    def held_out(step: int) -> dict[str, float]:
+        model.eval()
+        m = preference_accuracy(model, ref, tokenizer, held, cfg.beta, cfg.use_alpaca_template, device)
+        model.train()
+        m.pop("chosen_more_likely")
+        logger.log({"eval_step": step, **{f"eval/{k}": v for k, v in m.items()}})
+        return m
+
+    before = held_out(0)
+    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
+    bar = progress(cfg.n_dpo_steps, "DPO", cfg.show_progress)
+    for step in range(cfg.n_dpo_steps):
+        idx = sampler.next(cfg.train_batch_size)
+        total, acc = 0.0, 0
+        for m in range(cfg.gradient_accumulation_steps):
+            chunk = [train[i] for i in idx[m * micro : (m + 1) * micro]]
+            c, r = _batch_logps(model, tokenizer, chunk, cfg.use_alpaca_template, device)
+            with torch.no_grad():
+                rc, rr = _batch_logps(ref, tokenizer, chunk, cfg.use_alpaca_template, device)
+            losses = compute_dpo_loss(c, r, rc, rr, cfg.beta)
+            (losses.mean() / cfg.gradient_accumulation_steps).backward()
+            total += float(losses.detach().mean()) / cfg.gradient_accumulation_steps
+            acc += int(((c - rc) - (r - rr) > 0).sum())
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
+        logger.log({"train_step": step, "train/dpo_loss": total, "train/preference_accuracy": acc / cfg.train_batch_size,
+                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]})
+        bar.set_postfix(loss=f"{total:.4f}")
+        bar.update(1)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.n_dpo_steps:
+            held_out(step + 1)
+    bar.close()
+    after = held_out(cfg.n_dpo_steps)
+    save_model_and_tokenizer(model, tokenizer, run.final)
+    logger.close()
+    return DPOResult(run.path, run.final, run.metrics_path, before, after, time.perf_counter() - wall)

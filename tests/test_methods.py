@@ -1,0 +1,170 @@
+"""SFT-adjacent methods (expert iteration, PPO, DPO) and the evaluation metrics."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from grpolab.algorithms.dpo import DPOConfig, compute_per_instance_dpo_loss, train_dpo
+from grpolab.algorithms.expert_iteration import EIConfig, train_expert_iteration
+from grpolab.algorithms.ppo import PolicyWithValue, PPOConfig, ppo_minibatch_step, train_ppo
+from grpolab.algorithms.toolkit import make_optimizer, read_metrics
+from grpolab.core import build_sequences, compute_dpo_loss, tokenize_prompt_and_output
+from grpolab.eval.metrics import consistency, distinct_n, maj_at_k, mean_distinct_answers, pass_at_k, perplexity
+from grpolab.models import load_model_and_tokenizer
+
+SMALL = dict(sampling_max_tokens=12, sampling_min_tokens=1, eval_examples=4, show_progress=False, device="cpu",
+             task_train_size=40)
+
+
+# ---------------------------------------------------------------- metrics
+def test_pass_at_k_matches_closed_form():
+    for n, c, k in [(10, 3, 1), (10, 3, 5), (5, 0, 2), (5, 5, 3), (8, 2, 8)]:
+        expected = 1 - math.comb(n - c, k) / math.comb(n, k)
+        assert pass_at_k(n, c, k) == pytest.approx(expected)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_majority_consistency_and_diversity_by_hand():
+    answers = ["5", "5", "6", None]
+    assert consistency(answers) == 0.5
+    assert maj_at_k(answers, [True, True, False, False]) == 1.0
+    assert maj_at_k(answers, [False, False, True, False]) == 0.0
+    assert consistency([None, None]) == 0.0
+    assert mean_distinct_answers([["5", "5", "6"], ["1", None]]) == 1.5
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)
+    assert distinct_n([[1]], 2) == 0.0
+
+
+class _Uniform(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.p = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids):
+        return type("O", (), {"logits": torch.zeros(*ids.shape, self.vocab)})()
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+    ids = torch.randint(0, 37, (1000,)).tolist()
+    assert perplexity(_Uniform(37), ids, max_length=64, stride=16) == pytest.approx(37.0, rel=1e-4)
+
+
+def test_strided_perplexity_counts_every_token_once():
+    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    ids = tok("Q: 1+2\nA: <think>1+2=3</think> <answer>3</answer>" * 4, add_special_tokens=False)["input_ids"]
+    full = perplexity(model, ids, max_length=len(ids), stride=len(ids))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    direct = math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+    assert full == pytest.approx(direct, rel=1e-5)
+    strided = perplexity(model, ids, max_length=32, stride=8)
+    assert strided > 1 and math.isfinite(strided)
+
+
+# ---------------------------------------------------------------- PPO
+def test_ppo_value_loss_falls_on_a_fixed_batch():
+    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    policy = PolicyWithValue(model)
+    batch = build_sequences([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [9]], tok.pad_token_id)
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        old_lp, _, old_v = policy(batch["input_ids"], batch["labels"])
+    batch.update(old_log_probs=old_lp, old_values=old_v * mask, advantages=torch.zeros_like(old_lp),
+                 returns=torch.linspace(-1.0, 1.0, old_lp.shape[1]).expand_as(old_lp) * mask)
+    cfg = PPOConfig(vf_coef=1.0, cliprange_value=None, **{k: v for k, v in SMALL.items() if k != "task_train_size"})
+    opt = make_optimizer(policy, 1e-2)
+    losses = []
+    for _ in range(30):
+        figures = ppo_minibatch_step(policy, batch, cfg, 1, mask.sum())
+        losses.append(figures["value_loss"] / figures["tokens"])
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_ppo_runs_with_gae_kl_and_early_stop(tmp_path):
+    cfg = PPOConfig(n_ppo_steps=2, rollout_batch_size=16, group_size=2, train_batch_size=8, ppo_epochs=2,
+                    learning_rate=1e-3, run_dir=str(tmp_path / "ppo"), **SMALL)
+    result = train_ppo(cfg)
+    records = read_metrics(result.metrics_path)
+    steps = [r for r in records if "train/reward" in r]
+    assert len(steps) == 2 and all(0.1 <= r["train/kl_coef"] <= 0.3 for r in steps)
+    updates = [r for r in records if "train/value_loss" in r]
+    assert updates and all(math.isfinite(r["train/pg_loss"]) for r in updates)
+    assert (result.final_dir / "value_head.safetensors").exists()
+
+
+# ---------------------------------------------------------------- DPO
+def test_per_instance_dpo_loss_matches_its_definition():
+    lm, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    ref, _ = load_model_and_tokenizer("embedded:tiny", seed=1)
+    loss = compute_per_instance_dpo_loss(lm, ref, tok, 0.5, "Q: 2+2", "4", "5")
+    from grpolab.algorithms.dpo import ALPACA_TEMPLATE
+    from grpolab.core import get_response_log_probs
+
+    def logp(model, response):
+        b = tokenize_prompt_and_output([ALPACA_TEMPLATE.format(instruction="Q: 2+2")], [response + tok.eos_token], tok)
+        lp = get_response_log_probs(model, b["input_ids"], b["labels"])["log_probs"]
+        return (lp * b["response_mask"]).sum()
+
+    with torch.no_grad():
+        expected = compute_dpo_loss(logp(lm, "4"), logp(lm, "5"), logp(ref, "4"), logp(ref, "5"), 0.5)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    loss.backward()
+    assert any(p.grad is not None for p in lm.parameters())
+    assert all(p.grad is None for p in ref.parameters())
+
+
+def test_dpo_preference_accuracy_rises_on_separable_pairs(tmp_path):
+    # separable: the chosen response always says "yes", the rejected one "no"
+    data = tmp_path / "toy.jsonl"
+    with open(data, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"prompt": f"Q: {i}?", "chosen": f"yes {i}", "rejected": f"no {i}"}) + "\n")
+    cfg = DPOConfig(task=None, train_data=str(data), n_dpo_steps=30, learning_rate=1e-3, beta=0.5, train_batch_size=16,
+                    run_dir=str(tmp_path / "dpo"), show_progress=False, device="cpu")
+    result = train_dpo(cfg)
+    assert result.before["preference_accuracy"] == 0.0  # policy == reference: no margin yet
+    assert result.after["preference_accuracy"] >= 0.9
+    rows = [r for r in read_metrics(result.metrics_path) if "train/dpo_loss" in r]
+    assert rows[-1]["train/dpo_loss"] < rows[0]["train/dpo_loss"]
+
+
+def test_dpo_task_pairs_run(tmp_path):
+    result = train_dpo(DPOConfig(n_dpo_steps=2, train_batch_size=4, task_train_size=20, eval_pairs=8,
+                                 run_dir=str(tmp_path / "t"), show_progress=False, device="cpu"))
+    assert 0.0 <= result.after["preference_accuracy"] <= 1.0
+
+
+def test_dpo_on_a_preference_file(tmp_path):
+    data = tmp_path / "pref.jsonl"
+    with open(data, "w") as f:
+        for i in range(30):
+            f.write(json.dumps({"prompt": f"say {i}", "chosen": f"{i}", "rejected": f"{i + 1}"}) + "\n")
+    result = train_dpo(DPOConfig(task=None, train_data=str(data), n_dpo_steps=2, train_batch_size=4,
+                                 use_alpaca_template=True, run_dir=str(tmp_path / "d"), show_progress=False, device="cpu"))
+    assert "preference_accuracy" in result.after
+
+
+# ---------------------------------------------------------------- expert iteration
+def test_expert_iteration_filters_and_trains(tmp_path):
+    cfg = EIConfig(n_ei_steps=2, ei_batch_size=8, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
+                   learning_rate=1e-3, run_dir=str(tmp_path / "ei"), reward="tests.test_methods:reward_any_digit", **SMALL)
+    result = train_expert_iteration(cfg)
+    assert len(result.filtered_sizes) == 2 and all(0 <= s <= 32 for s in result.filtered_sizes)
+    records = [r for r in read_metrics(result.metrics_path) if "ei/filtered_size" in r]
+    assert [r["ei/filtered_size"] for r in records] == result.filtered_sizes
+    assert all("ei/response_entropy" in r for r in records)
+    if any(result.filtered_sizes):
+        assert any("train/token_nll" in r for r in read_metrics(result.metrics_path))
+
+
+def reward_any_digit(response, ground_truth):
+    r = float(any(ch.isdigit() for ch in response))
+    return {"reward": r, "format_reward": 1.0, "answer_reward": r}
