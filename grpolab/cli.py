@@ -180,6 +180,26 @@ def eval_cmd(
 
 
 @app.command()
+def compare(
+    run_dir: Path = typer.Option(Path("runs/compare"), "--run-dir", help="Where report.md/.json/.png go."),
+    seed: int = typer.Option(0, "--seed"),
+    steps: int = typer.Option(100, "--steps", help="RL steps of 128 responses; the sample budget is steps x 128."),
+    k: int = typer.Option(4, "--k", help="Samples per held-out question."),
+    test_examples: int = typer.Option(200, "--test-examples"),
+    ei: bool = typer.Option(False, "--ei", help="Also run expert iteration."),
+    warm_steps: Optional[int] = typer.Option(None, "--warm-steps", help="Override the warm-start SFT length."),
+) -> None:
+    """MLE vs PPO vs GRPO (and optionally expert iteration) from one warm start, equal sample budgets."""
+    _quiet_hf()
+    from .compare import run_compare
+
+    try:
+        run_compare(run_dir, seed=seed, steps=steps, k=k, test_examples=test_examples, include_ei=ei, warm_steps=warm_steps)
+    except _user_errors() as exc:
+        _fail(str(exc))
+
+
+@app.command()
 def demo(
     run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="Where the demo writes everything."),
     seed: int = typer.Option(0, "--seed"),

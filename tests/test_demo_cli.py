@@ -31,3 +31,35 @@ def test_cli_help_lists_commands():
     assert out.returncode == 0
     for cmd in ("demo", "grpo", "sft"):
         assert cmd in out.stdout
+
+
+def test_eval_command_writes_metrics_and_generations(tmp_path):
+    from grpolab.models import load_model_and_tokenizer, save_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    save_model_and_tokenizer(model, tok, tmp_path / "m")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Q: 1+2\nA: <think>1+2=3</think> <answer>3</answer>\n" * 20)
+    out = subprocess.run([sys.executable, "-m", "grpolab.cli", "eval", "--model", str(tmp_path / "m"), "--data",
+                          "task:arithmetic", "--n", "4", "--k", "3", "--max-tokens", "12", "--corpus", str(corpus),
+                          "--out", str(tmp_path / "ev")], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    for key in ("accuracy", "format_rate", "pass@3", "pass@1", "maj@3", "consistency", "distinct_1", "distinct_2",
+                "distinct_answers_per_question", "perplexity", "token_entropy", "mean_length"):
+        assert key in metrics, key
+    assert metrics["questions"] == 4 and len((tmp_path / "ev" / "generations.jsonl").read_text().splitlines()) == 12
+    assert 1.0 < metrics["perplexity"] < 200
+    assert "pass@3" in out.stdout
+
+
+def test_compare_writes_report(tmp_path):
+    from grpolab.compare import run_compare
+
+    report = run_compare(tmp_path / "cmp", seed=0, steps=1, k=2, test_examples=4, warm_steps=3, show_progress=False)
+    assert set(report["methods"]) == {"SFT warm start", "MLE (SFT)", "PPO", "GRPO"}
+    for name in ("report.md", "report.json", "report.png"):
+        assert (tmp_path / "cmp" / name).exists()
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| GRPO |" in md and "consistency" in md
+    assert json.loads((tmp_path / "cmp" / "report.json").read_text())["sample_budget"] == 128

@@ -203,8 +203,16 @@ def test_yaml_errors_and_cli_exit_codes(tmp_path):
 
 
 def test_shipped_configs_validate():
-    for path in sorted((ROOT / "configs").glob("grpo*.yaml")):
-        GRPOConfig.build(path)
+    from grpolab.algorithms.dpo import DPOConfig
+    from grpolab.algorithms.expert_iteration import EIConfig
+    from grpolab.algorithms.ppo import PPOConfig
+    from grpolab.algorithms.sft import SFTConfig
+
+    classes = {"grpo": GRPOConfig, "sft": SFTConfig, "ppo": PPOConfig, "dpo": DPOConfig, "ei": EIConfig}
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(paths) >= 6
+    for path in paths:
+        classes[path.name.split("_")[0]].build(path)
 
 
 # ---------------------------------------------------------------- resume after SIGKILL

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 import pytest
 
 from grpolab.algorithms.config import ConfigError
@@ -50,3 +52,17 @@ def test_sft_config_errors():
         SFTConfig.build(None, {"train_batch_size": 10, "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="exactly one of task"):
         SFTConfig.build(None, {"train_data": "x.jsonl"})
+
+
+def test_sft_resume_matches_uninterrupted(tmp_path):
+    from safetensors.torch import load_file
+
+    full = train_sft(cfg(tmp_path, n_sft_steps=6, checkpoint_every=3, run_dir=str(tmp_path / "full"), eval_examples=2,
+                         lr_schedule="constant"))
+    part = cfg(tmp_path, n_sft_steps=3, checkpoint_every=3, run_dir=str(tmp_path / "part"), eval_examples=2,
+               lr_schedule="constant")
+    train_sft(part)
+    resumed = train_sft(part.model_copy(update={"n_sft_steps": 6}), resume=True)
+    a = load_file(full.final_dir / "model.safetensors")
+    b = load_file(resumed.final_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -211,7 +211,7 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         result = evaluate(backend, eval_examples, template, reward_fn, eval_sampling)
         extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step, model, tokenizer,
                                 cfg.log_generations_samples) if cfg.log_generations_samples else {}
-        logger.log({"eval_step": eval_step, "train_step": step, **{f"eval/{k}": v for k, v in {**result.metrics, **extra}.items()}})
+        logger.log({"eval_step": eval_step, "sft_step": step, **{f"eval/{k}": v for k, v in {**result.metrics, **extra}.items()}})
         eval_step += 1
         return result.metrics
 

@@ -1,0 +1,193 @@
+"""``grpolab compare``: MLE (SFT), PPO and GRPO (expert iteration optional) trained from the same
+warm start with the same sample budget, evaluated on the same held-out questions.
+
+1. warm start: SFT of the embedded tiny model on imperfect demonstrations (as the demo);
+2. each method continues from a copy of it, consuming ``budget`` samples: MLE reads ``budget``
+   demonstrations, PPO and GRPO draw ``budget`` responses (EI too, when asked);
+3. each is evaluated on the same test questions with ``k`` samples each: perplexity of the
+   reference (correct) solutions, consistency, diversity, answer accuracy (pass@1), format rate;
+4. ``report.md`` (the table), ``report.json`` (the same as data) and ``report.png`` (validation
+   accuracy against samples consumed) go to the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .algorithms.expert_iteration import EIConfig, train_expert_iteration
+from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.ppo import PPOConfig, train_ppo
+from .algorithms.sft import SFTConfig, train_sft
+from .algorithms.toolkit import atomic_write_text, read_metrics
+from .core import get_response_log_probs, tokenize_prompt_and_output
+from .data import get_task, load_template
+from .demo import GRPO as DEMO_GRPO
+from .demo import SFT as DEMO_SFT
+from .demo import TASK, TASK_OPTIONS
+from .eval.report import evaluate_model
+from .models import load_model_and_tokenizer
+from .rollout import make_backend
+
+ROLLOUTS_PER_STEP = 128
+
+
+@torch.no_grad()
+def reference_perplexity(model, tokenizer, prompts, responses, batch_size: int = 64) -> float:
+    """exp(mean NLL per token) of reference responses given their prompts."""
+    nll, count = 0.0, 0
+    for i in range(0, len(prompts), batch_size):
+        b = tokenize_prompt_and_output(prompts[i : i + batch_size], responses[i : i + batch_size], tokenizer)
+        lp = get_response_log_probs(model, b["input_ids"], b["labels"])["log_probs"]
+        nll -= float((lp * b["response_mask"]).sum())
+        count += int(b["response_mask"].sum())
+    return math.exp(nll / max(count, 1))
+
+
+def _curve(metrics_path: Path, step_key: str, samples_per_step: int) -> list[tuple[int, float]]:
+    return [(int(r[step_key]) * samples_per_step, r["eval/accuracy"]) for r in read_metrics(metrics_path)
+            if "eval/accuracy" in r and step_key in r]
+
+
+def _plot(curves: dict[str, list[tuple[int, float]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in curves.items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    ax.set_xlabel("samples consumed (demonstrations or sampled responses)")
+    ax.set_ylabel("validation answer accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("grpolab compare: same warm start, same sample budget")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test_examples: int = 200,
+                include_ei: bool = False, warm_steps: int | None = None, show_progress: bool = True) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    budget = steps * ROLLOUTS_PER_STEP
+    common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress)
+    max_tokens = DEMO_GRPO["sampling_max_tokens"]
+    eval_every = max(1, steps // 4)
+
+    print(f"[warm start] SFT on {TASK_OPTIONS['wrong_fraction']:.0%}-wrong demonstrations")
+    t = time.perf_counter()
+    base, tok = load_model_and_tokenizer("embedded:tiny", seed=seed)
+    warm = SFTConfig(**{**DEMO_SFT, **common, "run_dir": str(run_dir / "warm_start"), "eval_examples": 1,
+                        "log_generations_samples": 0, "sampling_max_tokens": max_tokens})
+    if warm_steps is not None:
+        warm = warm.model_copy(update={"n_sft_steps": warm_steps})
+    train_sft(warm, model=base, tokenizer=tok)
+    warm_s = time.perf_counter() - t
+
+    # held-out questions with correct worked solutions (the references for perplexity)
+    task = get_task(TASK, seed=seed, **{**TASK_OPTIONS, "wrong_fraction": 0.0})
+    test = task.examples("test", test_examples)
+    template = load_template(task.default_template)
+    ref_prompts = [template.format(e.question) for e in test]
+    ref_solutions = [e.solution for e in test]
+
+    def score(model, wall_s: float) -> dict:
+        metrics, _ = evaluate_model(model, tok, make_backend("hf", model, tok), test, template, task.reward_fn,
+                                    k=k, temperature=1.0, max_tokens=max_tokens, min_tokens=1, seed=seed + 777)
+        return {
+            "reference_perplexity": reference_perplexity(model, tok, ref_prompts, ref_solutions),
+            "consistency": metrics["consistency"], "distinct_1": metrics["distinct_1"], "distinct_2": metrics["distinct_2"],
+            "distinct_answers_per_question": metrics["distinct_answers_per_question"],
+            "accuracy": metrics["accuracy"], f"maj@{k}": metrics[f"maj@{k}"], f"pass@{k}": metrics[f"pass@{k}"],
+            "format_rate": metrics["format_rate"], "mean_length": metrics["mean_length"], "wall_s": round(wall_s, 1),
+        }
+
+    rows = {"SFT warm start": score(base, warm_s)}
+    curves: dict[str, list[tuple[int, float]]] = {}
+
+    def fresh():
+        return copy.deepcopy(base)
+
+    print(f"[MLE] SFT on the demonstrations, {budget} more examples")
+    t = time.perf_counter()
+    model = fresh()
+    mle = SFTConfig(**{**DEMO_SFT, **common, "run_dir": str(run_dir / "mle"), "n_sft_steps": budget // DEMO_SFT["train_batch_size"],
+                       "learning_rate": 3e-4, "warmup_steps": 0, "lr_schedule": "constant", "eval_examples": 100,
+                       "eval_every": max(1, budget // DEMO_SFT["train_batch_size"] // 4), "log_generations_samples": 0,
+                       "sampling_max_tokens": max_tokens})
+    res = train_sft(mle, model=model, tokenizer=tok)
+    rows["MLE (SFT)"] = score(model, time.perf_counter() - t)
+    curves["MLE (SFT)"] = _curve(res.metrics_path, "sft_step", DEMO_SFT["train_batch_size"])
+
+    print(f"[PPO] {steps} steps of {ROLLOUTS_PER_STEP} responses (value head, GAE, adaptive KL)")
+    t = time.perf_counter()
+    model = fresh()
+    ppo = PPOConfig(**common, run_dir=str(run_dir / "ppo"), n_ppo_steps=steps, rollout_batch_size=ROLLOUTS_PER_STEP,
+                    group_size=8, train_batch_size=64, ppo_epochs=2, learning_rate=1e-4, vf_coef=0.1, kl_coef=0.2,
+                    kl_target=0.5, sampling_max_tokens=max_tokens, sampling_min_tokens=1, eval_every=eval_every,
+                    eval_examples=100, task_train_size=DEMO_GRPO["task_train_size"])
+    res = train_ppo(ppo, model=model, tokenizer=tok)
+    rows["PPO"] = score(model, time.perf_counter() - t)
+    curves["PPO"] = _curve(res.metrics_path, "ppo_step", ROLLOUTS_PER_STEP)
+
+    print(f"[GRPO] {steps} steps of {ROLLOUTS_PER_STEP} responses")
+    t = time.perf_counter()
+    model = fresh()
+    grpo = GRPOConfig(**{**DEMO_GRPO, **common, "run_dir": str(run_dir / "grpo"), "n_grpo_steps": steps,
+                         "eval_every": eval_every, "eval_examples": 100, "log_generations_samples": 0})
+    res = train_grpo(grpo, model=model, tokenizer=tok)
+    rows["GRPO"] = score(model, time.perf_counter() - t)
+    curves["GRPO"] = _curve(res.metrics_path, "grpo_step", ROLLOUTS_PER_STEP)
+
+    if include_ei:
+        print(f"[EI] expert iteration with {budget} sampled responses")
+        t = time.perf_counter()
+        model = fresh()
+        n_ei = 4
+        ei = EIConfig(**common, run_dir=str(run_dir / "ei"), n_ei_steps=n_ei, ei_batch_size=budget // n_ei // 8,
+                      group_size=8, learning_rate=3e-4, train_batch_size=64, gradient_accumulation_steps=1,
+                      sampling_max_tokens=max_tokens, sampling_min_tokens=1, eval_examples=100,
+                      task_train_size=DEMO_GRPO["task_train_size"])
+        train_expert_iteration(ei, model=model, tokenizer=tok)
+        rows["Expert iteration"] = score(model, time.perf_counter() - t)
+
+    report = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "sample_budget": budget, "k": k,
+              "test_questions": len(test), "methods": rows, "curves": curves}
+    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2))
+    atomic_write_text(run_dir / "report.md", format_report(report))
+    _plot(curves, run_dir / "report.png")
+    print()
+    print(format_report(report))
+    print(f"written: {run_dir / 'report.md'}, {run_dir / 'report.json'}, {run_dir / 'report.png'}")
+    return report
+
+
+def format_report(report: dict) -> str:
+    k = report["k"]
+    head = ("| method | ref. solution perplexity ↓ | consistency | distinct-1 | distinct-2 | distinct answers / question "
+            f"| answer accuracy | maj@{k} | format rate | wall time (s) |")
+    lines = [
+        f"# grpolab compare — {report['task']}, seed {report['seed']}",
+        "",
+        f"Same warm start (SFT on demonstrations, {report['task_options']['wrong_fraction']:.0%} wrong), "
+        f"same budget of {report['sample_budget']} samples per method, {report['test_questions']} held-out questions "
+        f"x {k} samples at temperature 1.",
+        "",
+        head,
+        "|" + "---|" * 10,
+    ]
+    for name, r in report["methods"].items():
+        lines.append(f"| {name} | {r['reference_perplexity']:.3f} | {r['consistency']:.3f} | {r['distinct_1']:.4f} | "
+                     f"{r['distinct_2']:.4f} | {r['distinct_answers_per_question']:.2f} | {r['accuracy']:.1%} | "
+                     f"{r[f'maj@{k}']:.1%} | {r['format_rate']:.1%} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
