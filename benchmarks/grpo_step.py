@@ -25,7 +25,7 @@ import torch
 
 from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient
 from grpolab.algorithms.toolkit import make_optimizer, optimizer_step
-from grpolab.core import build_sequences, get_response_log_probs, normalize_group_rewards
+from grpolab.core import build_sequences, normalize_group_rewards
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 

@@ -51,88 +51,67 @@ def _build(config_cls, config: Optional[Path], args: list[str], resume: Optional
     return config_cls.build(config, overrides)
 
 
+CONFIG_OPT = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml).")
+RESUME_OPT = typer.Option(None, "--resume", help="Continue the run in this run directory.")
+
+
+def _train(module: str, config_name: str, train_name: str, ctx, config, resume=None):
+    """Build the method's config from the file and the --field value overrides, train, return the
+    result; a user error is one line on stderr and exit code 2."""
+    import importlib
+
+    _quiet_hf()
+    mod = importlib.import_module(f".algorithms.{module}", __package__)
+    try:
+        cfg = _build(getattr(mod, config_name), config, ctx.args, resume)
+        train = getattr(mod, train_name)
+        return train(cfg, resume=True) if resume is not None else train(cfg)
+    except _user_errors() as exc:
+        _fail(str(exc))
+
+
+def _report(result) -> None:
+    typer.echo(f"run directory: {result.run_dir}\nfinal model:   {result.final_dir}\nmetrics:       {result.metrics_path}")
+    after = getattr(result, "after", None)
+    if after and "accuracy" in after:
+        typer.echo(f"validation accuracy: {after['accuracy']:.3f}  format rate: {after['format_rate']:.3f}")
+
+
 @app.command(context_settings=EXTRA)
-def grpo(
-    ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory."),
-) -> None:
+def grpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
     """Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value."""
-    _quiet_hf()
-    from .algorithms.grpo import GRPOConfig, train_grpo
-
-    try:
-        cfg = _build(GRPOConfig, config, ctx.args, resume)
-        result = train_grpo(cfg, resume=resume is not None)
-    except _user_errors() as exc:
-        _fail(str(exc))
-    typer.echo(f"run directory: {result.run_dir}\nfinal model:   {result.final_dir}\nmetrics:       {result.metrics_path}")
-    if result.after:
-        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+    _report(_train("grpo", "GRPOConfig", "train_grpo", ctx, config, resume))
 
 
 @app.command(context_settings=EXTRA)
-def sft(
-    ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run directory."),
-) -> None:
+def sft(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
     """Supervised fine-tuning on (prompt, response) pairs, loss on the response only."""
-    _quiet_hf()
-    from .algorithms.sft import SFTConfig, train_sft
-
-    try:
-        cfg = _build(SFTConfig, config, ctx.args, resume)
-        result = train_sft(cfg, resume=resume is not None)
-    except _user_errors() as exc:
-        _fail(str(exc))
-    typer.echo(f"trained on {result.n_examples} examples\nrun directory: {result.run_dir}\nfinal model:   {result.final_dir}")
-    if result.after:
-        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+    result = _train("sft", "SFTConfig", "train_sft", ctx, config, resume)
+    typer.echo(f"trained on {result.n_examples} examples")
+    _report(result)
 
 
 @app.command(context_settings=EXTRA)
-def ei(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+def ei(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
     """Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them."""
-    _quiet_hf()
-    from .algorithms.expert_iteration import EIConfig, train_expert_iteration
-
-    try:
-        result = train_expert_iteration(_build(EIConfig, config, ctx.args, None))
-    except _user_errors() as exc:
-        _fail(str(exc))
-    typer.echo(f"filtered set sizes: {result.filtered_sizes}\nrun directory: {result.run_dir}\nfinal model:   {result.final_dir}")
-    if result.after:
-        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+    result = _train("expert_iteration", "EIConfig", "train_expert_iteration", ctx, config)
+    typer.echo(f"filtered set sizes: {result.filtered_sizes}")
+    _report(result)
 
 
 @app.command(context_settings=EXTRA)
-def ppo(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
     """PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."""
-    _quiet_hf()
-    from .algorithms.ppo import PPOConfig, train_ppo
-
-    try:
-        result = train_ppo(_build(PPOConfig, config, ctx.args, None))
-    except _user_errors() as exc:
-        _fail(str(exc))
-    typer.echo(f"run directory: {result.run_dir}\nfinal model:   {result.final_dir}\nmetrics:       {result.metrics_path}")
-    if result.after:
-        typer.echo(f"validation accuracy: {result.after['accuracy']:.3f}  format rate: {result.after['format_rate']:.3f}")
+    _report(_train("ppo", "PPOConfig", "train_ppo", ctx, config))
 
 
 @app.command(context_settings=EXTRA)
-def dpo(ctx: typer.Context, config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config.")) -> None:
+def dpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
     """DPO on preference pairs; reports held-out preference accuracy."""
-    _quiet_hf()
-    from .algorithms.dpo import DPOConfig, train_dpo
-
-    try:
-        result = train_dpo(_build(DPOConfig, config, ctx.args, None))
-    except _user_errors() as exc:
-        _fail(str(exc))
+    result = _train("dpo", "DPOConfig", "train_dpo", ctx, config)
     typer.echo(f"held-out preference accuracy: {result.before['preference_accuracy']:.3f} -> "
-               f"{result.after['preference_accuracy']:.3f}\nrun directory: {result.run_dir}\nfinal model:   {result.final_dir}")
+               f"{result.after['preference_accuracy']:.3f}")
+    _report(result)
 
 
 @app.command("eval")
@@ -152,7 +131,12 @@ def eval_cmd(
     """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
     _quiet_hf()
     from .data import get_task, load_examples, load_template
-    from .eval.report import corpus_token_ids, evaluate_model, format_table, write_report
+    from .eval.report import (
+        corpus_token_ids,
+        evaluate_model,
+        format_table,
+        write_report,
+    )
     from .models import load_model_and_tokenizer
     from .rewards import build_reward
     from .rollout import make_backend

@@ -8,10 +8,22 @@ import torch
 
 from grpolab.algorithms.dpo import DPOConfig, compute_per_instance_dpo_loss, train_dpo
 from grpolab.algorithms.expert_iteration import EIConfig, train_expert_iteration
-from grpolab.algorithms.ppo import PolicyWithValue, PPOConfig, ppo_minibatch_step, train_ppo
+from grpolab.algorithms.ppo import (
+    PolicyWithValue,
+    PPOConfig,
+    ppo_minibatch_step,
+    train_ppo,
+)
 from grpolab.algorithms.toolkit import make_optimizer, read_metrics
 from grpolab.core import build_sequences, compute_dpo_loss, tokenize_prompt_and_output
-from grpolab.eval.metrics import consistency, distinct_n, maj_at_k, mean_distinct_answers, pass_at_k, perplexity
+from grpolab.eval.metrics import (
+    consistency,
+    distinct_n,
+    maj_at_k,
+    mean_distinct_answers,
+    pass_at_k,
+    perplexity,
+)
 from grpolab.models import load_model_and_tokenizer
 
 SMALL = dict(sampling_max_tokens=12, sampling_min_tokens=1, eval_examples=4, show_progress=False, device="cpu",

@@ -1,7 +1,5 @@
 """Verifiers: table-driven grading cases, formats, adversarial answers, custom and weighted rewards."""
 
-import json
-import math
 import threading
 import time
 from pathlib import Path

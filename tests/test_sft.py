@@ -2,9 +2,8 @@
 
 import json
 
-import torch
-
 import pytest
+import torch
 
 from grpolab.algorithms.config import ConfigError
 from grpolab.algorithms.sft import SFTConfig, train_sft

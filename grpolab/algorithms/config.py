@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -89,3 +89,36 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             value = raw
         out[key.replace("-", "_")] = raw if value is None and raw not in ("null", "~", "") else value
     return out
+
+
+class RunConfig(BaseConfig):
+    """The fields every training method shares: model, data, reward, optimizer basics, device, seed."""
+
+    # --- model and data
+    model: str = "embedded:tiny"  # a local HF directory, or embedded:tiny / embedded:small
+    task: str | None = "arithmetic"  # an embedded task (arithmetic, countdown) ...
+    task_options: dict[str, Any] = Field(default_factory=dict)  # ... its settings (digits, wrong_fraction, ...)
+    task_train_size: int = Field(2000, ge=1)  # ... and how many distinct training questions to draw
+    train_data: str | None = None  # or a file: GSM8K / MATH / plain JSONL (SFT: sft.jsonl; DPO: pairs), hf:NAME
+    eval_data: str | None = None  # held-out questions (default: the task's validation split)
+    prompt_template: str | None = None  # r1_zero | question_only | compact | a file; default: task's, else r1_zero
+    reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
+    # --- optimizer basics (AdamW as in CS336)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = 1.0
+    # --- where and how
+    device: str = "auto"
+    seed: int = 0
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check_data(self):
+        if (self.task is None) == (self.train_data is None):
+            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
+        accumulation = getattr(self, "gradient_accumulation_steps", None)
+        if accumulation and self.train_batch_size % accumulation:
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
+                f"({accumulation})")
+        return self

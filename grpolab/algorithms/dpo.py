@@ -15,26 +15,24 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from ..core import compute_dpo_loss, get_response_log_probs, tokenize_prompt_and_output
 from ..data import PreferencePair, get_task, load_preferences, load_template
-from ..models import load_model_and_tokenizer, save_model_and_tokenizer
-from .config import BaseConfig
-from .grpo import resolve_device
+from ..models import save_model_and_tokenizer
+from .config import RunConfig
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
-    RunDir,
     effective_warmup,
     make_optimizer,
     make_scheduler,
     optimizer_step,
     progress,
-    seed_everything,
+    start_run,
 )
 
 ALPACA_TEMPLATE = (
@@ -65,40 +63,19 @@ def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: st
     return compute_dpo_loss(lp_c, lp_r, ref_c, ref_r, beta)
 
 
-class DPOConfig(BaseConfig):
-    model: str = "embedded:tiny"
-    task: str | None = "arithmetic"  # pairs from an embedded task: correct solution > wrong one
-    task_options: dict[str, Any] = Field(default_factory=dict)
+class DPOConfig(RunConfig):
     task_train_size: int = Field(1000, ge=1)
-    train_data: str | None = None  # preference JSONL {prompt, chosen, rejected}
-    eval_data: str | None = None  # held-out pairs (default: the task's validation split / 10 % of the file)
-    prompt_template: str | None = None  # for task questions (the pairs' prompts are formatted with it)
     use_alpaca_template: bool = False  # wrap prompts in the Alpaca template (CS336 supplement)
     beta: float = Field(0.1, gt=0)
     n_dpo_steps: int = Field(100, ge=1)
     learning_rate: float = Field(1e-6, gt=0)
     train_batch_size: int = Field(16, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     eval_every: int = Field(0, ge=0)
     eval_pairs: int = Field(200, ge=1)
-    device: str = "auto"
     run_dir: str = "runs/dpo"
-    seed: int = 0
-    show_progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.train_batch_size % self.gradient_accumulation_steps:
-            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be divisible by "
-                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
-        if (self.task is None) == (self.train_data is None):
-            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
-        return self
 
 
 @dataclass
@@ -170,14 +147,7 @@ def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batc
 
 def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> DPOResult:
     wall = time.perf_counter()
-    seed_everything(cfg.seed)
-    run = RunDir(cfg.run_dir)
-    run.write_config(cfg.to_dict())
-    run.metrics_path.write_text("")
-    device = resolve_device(cfg.device)
-    if model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
-    model.to(device).train()
+    run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     ref = (ref_model or copy.deepcopy(model)).to(device).eval().requires_grad_(False)
     train, held = _pairs(cfg)
     if not train:

@@ -11,40 +11,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from ..data.datasets import SFTPair
 from ..eval import evaluate, token_entropies
-from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer
 from ..rollout import SamplingParams, make_backend
-from .config import BaseConfig
-from .grpo import load_inputs, resolve_device
+from .config import RunConfig
 from .sft import accumulate_sft_gradient
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
-    RunDir,
     autocast_for,
+    load_inputs,
     make_optimizer,
     optimizer_step,
     progress,
-    seed_everything,
+    start_run,
 )
 
 
-class EIConfig(BaseConfig):
-    model: str = "embedded:tiny"
-    task: str | None = "arithmetic"
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    task_train_size: int = Field(2000, ge=1)
-    train_data: str | None = None
-    eval_data: str | None = None
-    prompt_template: str | None = None
-    reward: Any = None
+class EIConfig(RunConfig):
     n_ei_steps: int = Field(5, ge=1)  # CS336 Algorithm 2's n_ei_steps
     ei_batch_size: int = Field(512, ge=1)  # questions per step (CS336 sweeps 512, 1024, 2048)
     group_size: int = Field(4, ge=1)  # responses sampled per question (G)
@@ -53,29 +44,14 @@ class EIConfig(BaseConfig):
     train_batch_size: int = Field(32, ge=1)
     gradient_accumulation_steps: int = Field(4, ge=1)
     normalize_constant: float = Field(1.0, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
     sampling_temperature: float = Field(1.0, ge=0)
     sampling_min_tokens: int = Field(4, ge=0)
     sampling_max_tokens: int = Field(1024, ge=1)
     stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"
     eval_examples: int = Field(200, ge=1)
     eval_temperature: float = Field(1.0, ge=0)
     run_dir: str = "runs/ei"
-    seed: int = 0
-    show_progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.train_batch_size % self.gradient_accumulation_steps:
-            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be divisible by "
-                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
-        if (self.task is None) == (self.train_data is None):
-            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
-        return self
 
 
 @dataclass
@@ -90,15 +66,8 @@ class EIResult:
 
 def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> EIResult:
     wall = time.perf_counter()
-    seed_everything(cfg.seed)
-    run = RunDir(cfg.run_dir)
-    run.write_config(cfg.to_dict())
-    run.metrics_path.write_text("")
-    device = resolve_device(cfg.device)
+    run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     autocast = autocast_for(cfg.dtype, device)
-    if model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
-    model.to(device).train()
     train, evals, template, reward_fn = load_inputs(cfg)
     scorer = RewardScorer(reward_fn, timeout_s=0)
     optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)

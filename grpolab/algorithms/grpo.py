@@ -16,13 +16,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from ..core import (
-    LOSS_TYPES,
     AdaptiveKLController,
     FixedKLController,
     build_sequences,
@@ -33,22 +32,24 @@ from ..core import (
     normalize_group_rewards,
     pad_token_id,
 )
-from ..data import load_examples, load_template
-from ..data.tasks import get_task
 from ..eval import evaluate, log_generations
-from ..models import load_model_and_tokenizer, save_model_and_tokenizer
-from ..models.shared_prefix import label_to_response_layout, shared_prefix_response_log_probs, supports_shared_prefix
-from ..rewards import RewardScorer, build_reward
+from ..models import save_model_and_tokenizer
+from ..models.shared_prefix import (
+    label_to_response_layout,
+    shared_prefix_response_log_probs,
+    supports_shared_prefix,
+)
+from ..rewards import RewardScorer
 from ..rollout import SamplingParams, make_backend
-from .config import BaseConfig
+from .config import RunConfig
 from .health import HealthMonitor
 from .toolkit import (
     CheckpointManager,
     ExampleSampler,
     MetricsLogger,
-    RunDir,
     autocast_for,
     effective_warmup,
+    load_inputs,
     make_optimizer,
     make_scheduler,
     optimizer_step,
@@ -56,21 +57,12 @@ from .toolkit import (
     progress,
     restore_rng,
     rng_state,
-    seed_everything,
+    start_run,
     take_rows,
 )
 
 
-class GRPOConfig(BaseConfig):
-    # --- model and data
-    model: str = "embedded:tiny"  # a local HF directory, or embedded:tiny / embedded:small
-    task: str | None = "arithmetic"  # an embedded task (arithmetic, countdown) ...
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    task_train_size: int = Field(2000, ge=1)  # distinct training questions drawn from the embedded task  # ... and its settings (digits, wrong_fraction, ...)
-    train_data: str | None = None  # ... or a JSONL file (GSM8K, MATH, plain) / hf:NAME
-    eval_data: str | None = None  # held-out questions (default: the task's validation split)
-    prompt_template: str | None = None  # r1_zero | question_only | compact | a file; default: task's, else r1_zero
-    reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
+class GRPOConfig(RunConfig):
     # --- CS336 Algorithm 3 (defaults from the handout)
     n_grpo_steps: int = Field(200, ge=1)
     learning_rate: float = Field(1e-5, gt=0)
@@ -92,9 +84,6 @@ class GRPOConfig(BaseConfig):
     cliprange: float = Field(0.2, gt=0)
     cliprange_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28)
     # --- optimizer (AdamW as in CS336) and schedule
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
     warmup_steps: int = Field(1000, ge=0)  # linear warm-up (seed design), capped at 10 % of the optimizer steps
     lr_schedule: Literal["constant", "cosine"] = "constant"
     whiten_advantages: bool = False  # whiten advantages over the rollout batch after group normalisation
@@ -109,7 +98,6 @@ class GRPOConfig(BaseConfig):
     kl_stop: float | None = Field(0.3, gt=0)  # stop a rollout batch's updates when approx KL(old||new) exceeds it
     # --- speed and precision
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
-    device: str = "auto"
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
     share_prompt_prefix: bool = True  # run each prompt once per micro-batch for its whole group (same gradient)
@@ -129,16 +117,10 @@ class GRPOConfig(BaseConfig):
     health_window: int = Field(5, ge=1)
     truncation_threshold: float = Field(0.5, ge=0, le=1)
     stop_on_unhealthy: bool = False
-    seed: int = 0
     deterministic: bool = False
-    show_progress: bool = True
 
     @model_validator(mode="after")
     def _check(self):
-        if self.train_batch_size % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps})")
         if self.rollout_batch_size % self.group_size:
             raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by group_size ({self.group_size})")
         if self.train_batch_size < self.group_size:
@@ -148,8 +130,6 @@ class GRPOConfig(BaseConfig):
                 f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size ({self.train_batch_size})")
         if self.sampling_min_tokens > self.sampling_max_tokens:
             raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens ({self.sampling_max_tokens})")
-        if (self.task is None) == (self.train_data is None):
-            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
         if self.kl_coef_min > self.kl_coef_max:
             raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
         if self.loss_type == "grpo_clip" and not self.off_policy:
@@ -174,29 +154,6 @@ class GRPOResult:
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_inputs(cfg) -> tuple[list, list, Any, Any]:
-    """(train examples, eval examples, prompt template, reward fn) from a config with the shared
-    data fields (``task``/``train_data``, ``eval_data``, ``prompt_template``, ``reward``)."""
-    if cfg.task is not None:
-        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
-        train = task.examples("train", cfg.task_train_size)
-        evals = load_examples(cfg.eval_data) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
-        template = load_template(cfg.prompt_template or task.default_template)
-        reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
-    else:
-        train = load_examples(cfg.train_data)
-        evals = load_examples(cfg.eval_data) if cfg.eval_data else []
-        template = load_template(cfg.prompt_template or "r1_zero")
-        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
-    return list(train), list(evals)[: cfg.eval_examples], template, reward
 
 
 def sampler_logprob_tensor(rollouts, shape) -> torch.Tensor:
@@ -317,20 +274,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
     """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
     ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     wall = time.perf_counter()
-    run = RunDir(cfg.run_dir)
-    ckpts = CheckpointManager(run.checkpoints, cfg.keep_last)
-    resume_from = ckpts.latest() if resume else None
-    if resume and resume_from is None:
-        raise ValueError(f"{run.path}: nothing to resume (no complete checkpoint in {run.checkpoints})")
-    seed_everything(cfg.seed, cfg.deterministic)
-    device = resolve_device(cfg.device)
+    run, ckpts, resume_from, device, model, tokenizer = start_run(cfg, resume, model, tokenizer)
     autocast = autocast_for(cfg.dtype, device)
-
-    if resume_from is not None:
-        model, tokenizer = load_model_and_tokenizer(str(resume_from))
-    elif model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
-    model.to(device).train()
     train_examples, eval_examples, template, reward_fn = load_inputs(cfg)
     scorer = RewardScorer(reward_fn, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
     ref_model = None
@@ -366,9 +311,6 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         sampler.load_state_dict(state["data"])
         restore_rng(state["rng"], {"sampling": sample_gen})
         start_step, train_step, eval_step = state["grpo_step"], state["train_step"], state["eval_step"]
-    else:
-        run.write_config(cfg.to_dict())
-        run.metrics_path.write_text("")
     logger = MetricsLogger(run.metrics_path, cfg.report_to, run_name=run.path.name, config=cfg.to_dict())
 
     def run_eval(step: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -40,35 +40,26 @@ from ..core import (
 )
 from ..core.logprobs import _log_probs_and_entropy
 from ..eval import evaluate
-from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer
 from ..rollout import SamplingParams, make_backend
-from .config import BaseConfig
-from .grpo import load_inputs, resolve_device
+from .config import RunConfig
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
-    RunDir,
     autocast_for,
     effective_warmup,
+    load_inputs,
     make_optimizer,
     make_scheduler,
     optimizer_step,
     progress,
-    seed_everything,
+    start_run,
     take_rows,
 )
 
 
-class PPOConfig(BaseConfig):
-    model: str = "embedded:tiny"
-    task: str | None = "arithmetic"
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    task_train_size: int = Field(2000, ge=1)
-    train_data: str | None = None
-    eval_data: str | None = None
-    prompt_template: str | None = None
-    reward: Any = None
+class PPOConfig(RunConfig):
     # --- PPO
     n_ppo_steps: int = Field(100, ge=1)
     rollout_batch_size: int = Field(64, ge=1)
@@ -90,9 +81,6 @@ class PPOConfig(BaseConfig):
     kl_coef_min: float = Field(0.1, ge=0)
     kl_coef_max: float = Field(0.3, ge=0)
     kl_stop: float | None = Field(0.3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     sampling_temperature: float = Field(1.0, ge=0)
@@ -100,13 +88,10 @@ class PPOConfig(BaseConfig):
     sampling_max_tokens: int = Field(1024, ge=1)
     stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"
     eval_every: int = Field(0, ge=0)
     eval_examples: int = Field(200, ge=1)
     eval_temperature: float = Field(1.0, ge=0)
     run_dir: str = "runs/ppo"
-    seed: int = 0
-    show_progress: bool = True
 
     @model_validator(mode="after")
     def _check(self):
@@ -114,11 +99,6 @@ class PPOConfig(BaseConfig):
             raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by group_size ({self.group_size})")
         if self.rollout_batch_size % self.train_batch_size:
             raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size ({self.train_batch_size})")
-        if self.train_batch_size % self.gradient_accumulation_steps:
-            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be divisible by "
-                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
-        if (self.task is None) == (self.train_data is None):
-            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
         if self.kl_coef_min > self.kl_coef_max:
             raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
         return self
@@ -185,15 +165,8 @@ def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_to
 
 def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> PPOResult:
     wall = time.perf_counter()
-    seed_everything(cfg.seed)
-    run = RunDir(cfg.run_dir)
-    run.write_config(cfg.to_dict())
-    run.metrics_path.write_text("")
-    device = resolve_device(cfg.device)
+    run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     autocast = autocast_for(cfg.dtype, device)
-    if model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
-    model.to(device).train()
     policy = PolicyWithValue(model).to(device)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     train, evals, template, reward_fn = load_inputs(cfg)

@@ -14,44 +14,38 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from ..core import get_response_log_probs, sft_microbatch_train_step, tokenize_prompt_and_output
+from ..core import (
+    get_response_log_probs,
+    sft_microbatch_train_step,
+    tokenize_prompt_and_output,
+)
 from ..data import load_examples, load_sft_pairs, load_template
 from ..data.datasets import SFTPair
 from ..eval import evaluate, log_generations
-from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer, build_reward
 from ..rollout import SamplingParams, make_backend
-from .config import BaseConfig
-from .grpo import load_inputs, resolve_device
+from .config import RunConfig
 from .toolkit import (
     CheckpointManager,
     ExampleSampler,
     MetricsLogger,
-    RunDir,
     autocast_for,
     effective_warmup,
+    load_inputs,
     make_optimizer,
     make_scheduler,
     optimizer_step,
     progress,
     restore_rng,
     rng_state,
-    seed_everything,
+    start_run,
 )
 
 
-class SFTConfig(BaseConfig):
-    # --- model and data
-    model: str = "embedded:tiny"
-    task: str | None = "arithmetic"
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    task_train_size: int = Field(2000, ge=1)  # distinct training questions drawn from the embedded task
-    train_data: str | None = None  # sft.jsonl ({prompt, response}) or GSM8K/MATH JSONL
-    eval_data: str | None = None
-    prompt_template: str | None = None  # applied to questions (not to sft.jsonl prompts, used as given)
-    reward: Any = None  # verifier for filter_correct and validation accuracy
+class SFTConfig(RunConfig):
     filter_correct: bool = False
     max_examples: int | None = Field(None, ge=1)
     # --- optimisation
@@ -60,13 +54,9 @@ class SFTConfig(BaseConfig):
     train_batch_size: int = Field(32, ge=1)
     gradient_accumulation_steps: int = Field(4, ge=1)
     normalize_constant: float = Field(1.0, gt=0)  # sum of response-token NLL / this (CS336)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = 1.0
     warmup_steps: int = Field(1000, ge=0)  # capped at 10 % of n_sft_steps
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"
     # --- evaluation, logging, checkpoints
     eval_every: int = Field(0, ge=0)
     eval_examples: int = Field(200, ge=1)
@@ -79,19 +69,7 @@ class SFTConfig(BaseConfig):
     keep_last: int = Field(2, ge=1)
     run_dir: str = "runs/sft"
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    seed: int = 0
     deterministic: bool = False
-    show_progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.train_batch_size % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps})")
-        if (self.task is None) == (self.train_data is None):
-            raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
-        return self
 
 
 @dataclass
@@ -169,19 +147,8 @@ def accumulate_sft_gradient(model, tokenizer, pairs: list[SFTPair], gradient_acc
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False) -> SFTResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
     wall = time.perf_counter()
-    run = RunDir(cfg.run_dir)
-    ckpts = CheckpointManager(run.checkpoints, cfg.keep_last)
-    resume_from = ckpts.latest() if resume else None
-    if resume and resume_from is None:
-        raise ValueError(f"{run.path}: nothing to resume (no complete checkpoint in {run.checkpoints})")
-    seed_everything(cfg.seed, cfg.deterministic)
-    device = resolve_device(cfg.device)
+    run, ckpts, resume_from, device, model, tokenizer = start_run(cfg, resume, model, tokenizer)
     autocast = autocast_for(cfg.dtype, device)
-    if resume_from is not None:
-        model, tokenizer = load_model_and_tokenizer(str(resume_from))
-    elif model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
-    model.to(device).train()
     pairs, eval_examples, template, reward_fn = sft_pairs(cfg)
 
     optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
@@ -199,9 +166,6 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         sampler.load_state_dict(state["data"])
         restore_rng(state["rng"], {"sampling": sample_gen})
         start_step, eval_step = state["train_step"], state["eval_step"]
-    else:
-        run.write_config(cfg.to_dict())
-        run.metrics_path.write_text("")
     logger = MetricsLogger(run.metrics_path, cfg.report_to, run_name=run.path.name, config=cfg.to_dict())
 
     def run_eval(step: int) -> dict[str, float]:

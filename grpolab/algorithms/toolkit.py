@@ -17,7 +17,10 @@ from typing import Any, Iterable
 
 import torch
 
-from ..models import save_model_and_tokenizer
+from ..data import load_examples, load_template
+from ..data.tasks import get_task
+from ..models import load_model_and_tokenizer, save_model_and_tokenizer
+from ..rewards import build_reward
 
 # ---------------------------------------------------------------- seeding and precision
 
@@ -42,6 +45,32 @@ def autocast_for(dtype: str, device: torch.device | str):
         device_type = torch.device(device).type
         return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+# ---------------------------------------------------------------- device and inputs
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_inputs(cfg) -> tuple[list, list, Any, Any]:
+    """(train examples, eval examples, prompt template, reward fn) from a config with the shared
+    data fields (``task``/``train_data``, ``eval_data``, ``prompt_template``, ``reward``)."""
+    if cfg.task is not None:
+        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        train = task.examples("train", cfg.task_train_size)
+        evals = load_examples(cfg.eval_data) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
+        template = load_template(cfg.prompt_template or task.default_template)
+        reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
+    else:
+        train = load_examples(cfg.train_data)
+        evals = load_examples(cfg.eval_data) if cfg.eval_data else []
+        template = load_template(cfg.prompt_template or "r1_zero")
+        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
+    return list(train), list(evals)[: cfg.eval_examples], template, reward
 
 
 # ---------------------------------------------------------------- optimizer and schedule
@@ -338,3 +367,29 @@ class ExampleSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation()
+
+
+# ---------------------------------------------------------------- starting a run
+
+
+def start_run(cfg, resume: bool = False, model=None, tokenizer=None):
+    """Everything a trainer does before its loop: the run directory and checkpoint manager, seeding,
+    the device, and the model — from the newest checkpoint when resuming, else the one given, else
+    ``cfg.model``. A fresh run writes ``config.yaml`` and starts ``metrics.jsonl`` empty.
+    Returns ``(run, checkpoints, resume_from, device, model, tokenizer)``."""
+    run = RunDir(cfg.run_dir)
+    ckpts = CheckpointManager(run.checkpoints, getattr(cfg, "keep_last", 2))
+    resume_from = ckpts.latest() if resume else None
+    if resume and resume_from is None:
+        raise ValueError(f"{run.path}: nothing to resume (no complete checkpoint in {run.checkpoints})")
+    seed_everything(cfg.seed, getattr(cfg, "deterministic", False))
+    device = resolve_device(cfg.device)
+    if resume_from is not None:
+        model, tokenizer = load_model_and_tokenizer(str(resume_from))
+    elif model is None:
+        model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    model.to(device).train()
+    if resume_from is None:
+        run.write_config(cfg.to_dict())
+        run.metrics_path.write_text("")
+    return run, ckpts, resume_from, device, model, tokenizer

@@ -3,7 +3,11 @@
 Names, parameters and semantics follow Stanford CS336 Assignment 5 where it defines them.
 """
 
-from .advantages import compute_gae, compute_group_normalized_rewards, normalize_group_rewards
+from .advantages import (
+    compute_gae,
+    compute_group_normalized_rewards,
+    normalize_group_rewards,
+)
 from .kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,

@@ -7,10 +7,23 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..rewards import RewardScorer, extract_r1_zero_answer, last_boxed, last_number, normalize_answer
+from ..rewards import (
+    RewardScorer,
+    extract_r1_zero_answer,
+    last_boxed,
+    last_number,
+    normalize_answer,
+)
 from ..rollout import SamplingParams
 from . import evaluate, token_entropies
-from .metrics import consistency, distinct_n, maj_at_k, mean_distinct_answers, pass_at_k, perplexity
+from .metrics import (
+    consistency,
+    distinct_n,
+    maj_at_k,
+    mean_distinct_answers,
+    pass_at_k,
+    perplexity,
+)
 
 
 def answer_key(response: str) -> str | None:
