@@ -229,17 +229,18 @@ def accumulate_policy_gradient(
             global_num_tokens=global_tokens, global_batch_size=len(rows),
             ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
         )
+        # figures stay on the device until the optimizer step: one sync per step, not per micro-batch
         mask = mb["response_mask"]
-        n_tok = float(mask.sum())
-        sums["loss"] += float(loss)
+        n_tok = mask.sum()
+        sums["loss"] += loss
         sums["tokens"] += n_tok
-        sums["entropy"] += float((entropy.detach().float() * mask).sum())
-        sums["approx_kl"] += float((kl_k3(old, log_probs.detach()) * mask).sum())
+        sums["entropy"] += (entropy.detach().float() * mask).sum()
+        sums["approx_kl"] += (kl_k3(old, log_probs.detach()) * mask).sum()
         if "clip_fraction" in meta:
-            sums["clip"] += float(meta["clip_fraction"]) * n_tok
+            sums["clip"] += meta["clip_fraction"] * n_tok
         if "kl" in meta:
-            sums["kl"] += float(meta["kl"]) * n_tok
-    return sums
+            sums["kl"] += meta["kl"] * n_tok
+    return {k: float(v) for k, v in sums.items()}
 
 
 def _shared_prefix_microbatch(model, batch, live, sequences, device, autocast):

@@ -40,9 +40,9 @@ def answer_key(response: str) -> str | None:
 
 
 def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: int = 2_000_000) -> list[int]:
-    """Token ids of a text corpus: a plain text file, a JSONL file (``text_field``), or ``hf:NAME``
-    (e.g. ``hf:wikitext/wikitext-103-raw-v1`` through ``datasets``). Documents are joined with
-    blank lines."""
+    """Token ids of a text corpus: a plain text file, a JSONL file (``text_field``), or
+    ``hf:NAME[:CONFIG]`` through ``datasets`` (its test split; e.g.
+    ``hf:Salesforce/wikitext:wikitext-103-raw-v1``). Documents are joined with blank lines."""
     if path.startswith("hf:"):
         from ..data import DataError
 
@@ -50,7 +50,7 @@ def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: 
             import datasets
         except ImportError:
             raise DataError(f"corpus {path!r}: the 'datasets' library is not installed") from None
-        name, _, config = path[3:].partition("/")
+        name, _, config = path[3:].partition(":")
         try:
             ds = datasets.load_dataset(name, config or None, split="test")
         except Exception as exc:  # noqa: BLE001
