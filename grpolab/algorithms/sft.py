@@ -179,6 +179,8 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         eval_step += 1
         return result.metrics
 
+    if cfg.eval_every and start_step == 0:
+        run_eval(0)  # the starting point of the validation curve
     bar = progress(cfg.n_sft_steps, "SFT", cfg.show_progress, initial=start_step)
     for step in range(start_step, cfg.n_sft_steps):
         idx = sampler.next(cfg.train_batch_size)
