@@ -6,8 +6,9 @@ half the responses score 1, so skipping zero-advantage rows saves little; both f
 KV-cache sampling loop, then the micro-batched update) with and without skipping rows whose
 gradient is exactly zero, and a plain baseline in the same process: Hugging Face ``generate``
 (sampling, scores kept) followed by one forward+backward over the padded batch — the cost that
-TRL's GRPOTrainer is within ~10 % of on these shapes. Reference figures quoted from the issue for
-TRL 1.16 on this kind of machine: tiny 590 completions/s; a 34M Qwen2 36.6/s fp32, ~52/s bf16.
+TRL's GRPOTrainer is within ~10 % of on these shapes. For TRL itself on the same machine and shapes,
+run ``benchmarks/trl_grpo_step.py`` where ``trl`` is installed (it is not a grpolab dependency).
+Figures quoted in the issue for TRL 1.16: tiny 590 completions/s; a 34M Qwen2 36.6/s fp32, ~52/s bf16.
 
 Usage: python benchmarks/grpo_step.py [--steps N] [--sizes tiny,small] [--dtypes float32,bfloat16]
 The last line is one JSON object with every figure.
