@@ -128,3 +128,30 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_decoder_matches_the_hugging_face_forward(arch):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from grpolab.rollout import fast_decoder
+
+    kw = dict(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))).eval()
+    if arch == "qwen2":  # make the q/k/v biases matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    assert fast_decoder.supports(model)
+    dec = fast_decoder.FastDecoder(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        first = dec.prefill(ids, mask, max_new=3)
+        nxt = dec.step(torch.tensor([9, 10]))
+        for row, real in enumerate([[5, 6, 7], [1, 2, 3, 4, 5]]):
+            ref = model(torch.tensor([real + [[9, 10][row]]])).logits[0]
+            assert torch.allclose(first[row], ref[-2], atol=1e-4)
+            assert torch.allclose(nxt[row], ref[-1], atol=1e-4)
