@@ -244,3 +244,30 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
         assert torch.equal(a[k], b[k]), k
     steps = [r["train_step"] for r in read_metrics(run / "metrics.jsonl") if "train_step" in r]
     assert steps[-1] == 7
+
+
+def test_grpo_and_sft_on_local_jsonl_files_with_custom_fields(tmp_path):
+    from grpolab.algorithms.sft import SFTConfig, train_sft
+
+    data = tmp_path / "questions.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"problem_text": f"{i}+1", "solution_value": i + 1}) + "\n")
+        f.write("{broken\n")
+    cfg = small_cfg(tmp_path, task=None, train_data=str(data), eval_data=str(data), data_format="jsonl",
+                    question_field="problem_text", answer_field="solution_value", data_on_error="skip",
+                    prompt_template="compact", reward="r1_zero_lenient", n_grpo_steps=1)
+    with pytest.warns(UserWarning, match="skipped 1"):
+        result = train_grpo(cfg)
+    assert any("train/reward" in r for r in read_metrics(result.metrics_path))
+    strict = cfg.model_copy(update={"data_on_error": "raise", "run_dir": str(tmp_path / "strict")})
+    from grpolab.data import DataError
+
+    with pytest.raises(DataError, match=r"questions.jsonl:17: invalid JSON"):
+        train_grpo(strict)
+    gsm = tmp_path / "mini_gsm8k.jsonl"
+    gsm.write_text(json.dumps({"question": "Q?", "answer": "1 + 1 = <<1+1=2>>2\n#### 2"}) + "\n")
+    sft = train_sft(SFTConfig(task=None, train_data=str(gsm), n_sft_steps=1, train_batch_size=1,
+                              gradient_accumulation_steps=1, prompt_template="r1_zero", run_dir=str(tmp_path / "sft"),
+                              show_progress=False, device="cpu"))
+    assert sft.n_examples == 1

@@ -4,7 +4,7 @@ one-line errors naming the key."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -101,6 +101,10 @@ class RunConfig(BaseConfig):
     task_train_size: int = Field(2000, ge=1)  # ... and how many distinct training questions to draw
     train_data: str | None = None  # or a file: GSM8K / MATH / plain JSONL (SFT: sft.jsonl; DPO: pairs), hf:NAME
     eval_data: str | None = None  # held-out questions (default: the task's validation split)
+    data_format: Literal["auto", "gsm8k", "math", "jsonl"] = "auto"  # auto: by the file name
+    question_field: str = "question"  # plain JSONL field names
+    answer_field: str = "answer"
+    data_on_error: Literal["raise", "skip"] = "raise"  # skip: malformed lines are skipped and counted
     prompt_template: str | None = None  # r1_zero | question_only | compact | a file; default: task's, else r1_zero
     reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
     # --- optimizer basics (AdamW as in CS336)

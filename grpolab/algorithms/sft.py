@@ -33,6 +33,7 @@ from .toolkit import (
     ExampleSampler,
     MetricsLogger,
     autocast_for,
+    data_options,
     effective_warmup,
     load_inputs,
     make_optimizer,
@@ -88,7 +89,7 @@ def sft_pairs(cfg: SFTConfig) -> tuple[list[SFTPair], list, Any, Any]:
         pairs = list(load_sft_pairs(cfg.train_data))
         template = load_template(cfg.prompt_template or "r1_zero")
         reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
-        evals = list(load_examples(cfg.eval_data))[: cfg.eval_examples] if cfg.eval_data else []
+        evals = list(load_examples(cfg.eval_data, **data_options(cfg)))[: cfg.eval_examples] if cfg.eval_data else []
     else:
         train, evals, template, reward = load_inputs(cfg)
         missing = [i for i, e in enumerate(train) if not e.solution]

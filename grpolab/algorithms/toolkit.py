@@ -56,18 +56,24 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def data_options(cfg) -> dict:
+    """The data-file settings of a config, as ``load_examples`` keywords."""
+    return {"format": cfg.data_format, "question_field": cfg.question_field, "answer_field": cfg.answer_field,
+            "on_error": cfg.data_on_error}
+
+
 def load_inputs(cfg) -> tuple[list, list, Any, Any]:
     """(train examples, eval examples, prompt template, reward fn) from a config with the shared
     data fields (``task``/``train_data``, ``eval_data``, ``prompt_template``, ``reward``)."""
     if cfg.task is not None:
         task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
         train = task.examples("train", cfg.task_train_size)
-        evals = load_examples(cfg.eval_data) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
+        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
         template = load_template(cfg.prompt_template or task.default_template)
         reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
     else:
-        train = load_examples(cfg.train_data)
-        evals = load_examples(cfg.eval_data) if cfg.eval_data else []
+        train = load_examples(cfg.train_data, **data_options(cfg))
+        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else []
         template = load_template(cfg.prompt_template or "r1_zero")
         reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
     return list(train), list(evals)[: cfg.eval_examples], template, reward

@@ -228,15 +228,24 @@ def load_hf_dataset(
     return out
 
 
-def load_examples(spec: str, **kwargs) -> Loaded:
-    """Examples from a path or name: ``*.jsonl`` whose name contains gsm8k -> GSM8K, math -> MATH,
-    other ``.jsonl`` -> plain fields; ``hf:NAME`` -> ``load_hf_dataset``."""
+def load_examples(
+    spec: str,
+    format: str = "auto",
+    question_field: str = "question",
+    answer_field: str = "answer",
+    on_error: str = "raise",
+) -> Loaded:
+    """Examples from a file or ``hf:NAME``. ``format``: ``gsm8k``, ``math``, ``jsonl`` (the named
+    fields), or ``auto`` — a path containing "gsm8k" is GSM8K, one containing "math" is MATH, any
+    other is plain JSONL."""
+    if format not in ("auto", "gsm8k", "math", "jsonl"):
+        raise ValueError(f"unknown data format {format!r}; expected auto, gsm8k, math or jsonl")
     if spec.startswith("hf:"):
-        return load_hf_dataset(spec[3:], **kwargs)
+        return load_hf_dataset(spec[3:], question_field=question_field, answer_field=answer_field,
+                               answer_format={"gsm8k": "gsm8k", "math": "math_boxed"}.get(format, "raw"))
     name = str(Path(spec)).lower()
-    on_error = kwargs.pop("on_error", "raise")
-    if "gsm8k" in name and not kwargs:
+    if format == "gsm8k" or (format == "auto" and "gsm8k" in name):
         return load_gsm8k(spec, on_error=on_error)
-    if "math" in name and not kwargs:
+    if format == "math" or (format == "auto" and "math" in name):
         return load_math(spec, on_error=on_error)
-    return load_jsonl(spec, on_error=on_error, **kwargs)
+    return load_jsonl(spec, question_field=question_field, answer_field=answer_field, on_error=on_error)
