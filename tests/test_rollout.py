@@ -132,7 +132,12 @@ def test_sampling_params_validation():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fast_decoder_matches_the_hugging_face_forward(arch):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from grpolab.rollout import fast_decoder
 

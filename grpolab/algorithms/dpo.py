@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -27,6 +25,7 @@ from .config import RunConfig
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
+    TrainResult,
     effective_warmup,
     make_optimizer,
     make_scheduler,
@@ -76,16 +75,6 @@ class DPOConfig(RunConfig):
     eval_every: int = Field(0, ge=0)
     eval_pairs: int = Field(200, ge=1)
     run_dir: str = "runs/dpo"
-
-
-@dataclass
-class DPOResult:
-    run_dir: Path
-    final_dir: Path
-    metrics_path: Path
-    before: dict[str, float]
-    after: dict[str, float]
-    wall_s: float
 
 
 def task_preference_pairs(task_name: str, split: str, n: int, seed: int, options: dict, template) -> list[PreferencePair]:
@@ -145,7 +134,7 @@ def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batc
             "reward_margin": float(torch.cat(margins).mean()), "chosen_more_likely": float("nan")}
 
 
-def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> DPOResult:
+def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> TrainResult:
     wall = time.perf_counter()
     run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     ref = (ref_model or copy.deepcopy(model)).to(device).eval().requires_grad_(False)
@@ -191,4 +180,4 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> 
     after = held_out(cfg.n_dpo_steps)
     save_model_and_tokenizer(model, tokenizer, run.final)
     logger.close()
-    return DPOResult(run.path, run.final, run.metrics_path, before, after, time.perf_counter() - wall)
+    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, before=before)

@@ -9,8 +9,6 @@ token entropy on its samples, the reward of the samples, and the SFT loss.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -26,6 +24,7 @@ from .sft import accumulate_sft_gradient
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
+    TrainResult,
     autocast_for,
     load_inputs,
     make_optimizer,
@@ -54,17 +53,7 @@ class EIConfig(RunConfig):
     run_dir: str = "runs/ei"
 
 
-@dataclass
-class EIResult:
-    run_dir: Path
-    final_dir: Path
-    metrics_path: Path
-    after: dict[str, float]
-    filtered_sizes: list[int]
-    wall_s: float
-
-
-def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> EIResult:
+def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> TrainResult:
     wall = time.perf_counter()
     run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     autocast = autocast_for(cfg.dtype, device)
@@ -117,4 +106,4 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> EIRe
         logger.log({"eval_step": 0, **{f"eval/{k}": v for k, v in after.items()}})
     save_model_and_tokenizer(model, tokenizer, run.final)
     logger.close()
-    return EIResult(run.path, run.final, run.metrics_path, after, sizes, time.perf_counter() - wall)
+    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, filtered_sizes=sizes)

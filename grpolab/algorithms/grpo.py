@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -47,6 +45,7 @@ from .toolkit import (
     CheckpointManager,
     ExampleSampler,
     MetricsLogger,
+    TrainResult,
     autocast_for,
     effective_warmup,
     load_inputs,
@@ -141,16 +140,6 @@ class GRPOConfig(RunConfig):
     @property
     def off_policy(self) -> bool:
         return self.epochs_per_rollout_batch > 1 or self.train_batch_size < self.rollout_batch_size
-
-
-@dataclass
-class GRPOResult:
-    run_dir: Path
-    final_dir: Path
-    metrics_path: Path
-    before: dict[str, float] | None
-    after: dict[str, float]
-    wall_s: float
 
 
 # ---------------------------------------------------------------- inputs
@@ -271,7 +260,7 @@ def _shared_prefix_microbatch(model, batch, live, sequences, device, autocast):
 # ---------------------------------------------------------------- the loop
 
 
-def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False) -> GRPOResult:
+def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False) -> TrainResult:
     """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
     ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     wall = time.perf_counter()
@@ -457,4 +446,4 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
     save_model_and_tokenizer(model, tokenizer, run.final)
     logger.close()
     scorer.close()
-    return GRPOResult(run.path, run.final, run.metrics_path, before, after, time.perf_counter() - wall)
+    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, before=before)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -47,6 +45,7 @@ from .config import RunConfig
 from .toolkit import (
     ExampleSampler,
     MetricsLogger,
+    TrainResult,
     autocast_for,
     effective_warmup,
     load_inputs,
@@ -131,16 +130,6 @@ class PolicyWithValue(torch.nn.Module):
         return log_probs, entropy, self.value_head(out.hidden_states[-1])
 
 
-@dataclass
-class PPOResult:
-    run_dir: Path
-    final_dir: Path
-    metrics_path: Path
-    before: dict[str, float]
-    after: dict[str, float]
-    wall_s: float
-
-
 def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_tokens) -> dict[str, float]:
     """Clipped policy loss + vf_coef x clipped value loss on one micro-batch, token-mean over the
     minibatch's response tokens; backward once. Returns figures for logging."""
@@ -163,7 +152,7 @@ def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_to
     }
 
 
-def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> PPOResult:
+def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> TrainResult:
     wall = time.perf_counter()
     run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
     autocast = autocast_for(cfg.dtype, device)
@@ -281,4 +270,4 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> PPOResult:
     save_model_and_tokenizer(model, tokenizer, run.final)
     save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()}, str(run.final / "value_head.safetensors"))
     logger.close()
-    return PPOResult(run.path, run.final, run.metrics_path, before, after, time.perf_counter() - wall)
+    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, before=before)

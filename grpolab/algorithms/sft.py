@@ -9,8 +9,6 @@ whose response the verifier accepts (CS336 §4.3); ``max_examples`` sets the dat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -32,6 +30,7 @@ from .toolkit import (
     CheckpointManager,
     ExampleSampler,
     MetricsLogger,
+    TrainResult,
     autocast_for,
     data_options,
     effective_warmup,
@@ -71,16 +70,6 @@ class SFTConfig(RunConfig):
     run_dir: str = "runs/sft"
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     deterministic: bool = False
-
-
-@dataclass
-class SFTResult:
-    run_dir: Path
-    final_dir: Path
-    metrics_path: Path
-    after: dict[str, float]
-    n_examples: int
-    wall_s: float
 
 
 def sft_pairs(cfg: SFTConfig) -> tuple[list[SFTPair], list, Any, Any]:
@@ -145,7 +134,7 @@ def accumulate_sft_gradient(model, tokenizer, pairs: list[SFTPair], gradient_acc
     return total_loss, total_nll, total_tok
 
 
-def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False) -> SFTResult:
+def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False) -> TrainResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
     wall = time.perf_counter()
     run, ckpts, resume_from, device, model, tokenizer = start_run(cfg, resume, model, tokenizer)
@@ -205,4 +194,4 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
     after = run_eval(cfg.n_sft_steps)
     save_model_and_tokenizer(model, tokenizer, run.final)
     logger.close()
-    return SFTResult(run.path, run.final, run.metrics_path, after, len(pairs), time.perf_counter() - wall)
+    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, n_examples=len(pairs))

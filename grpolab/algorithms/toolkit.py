@@ -12,6 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -375,7 +376,22 @@ class ExampleSampler:
         self._order = self._permutation()
 
 
-# ---------------------------------------------------------------- starting a run
+# ---------------------------------------------------------------- starting and ending a run
+
+
+@dataclass
+class TrainResult:
+    """What every trainer returns: where the run is, and the validation figures before/after."""
+
+    run_dir: Path
+    final_dir: Path
+    metrics_path: Path
+    after: dict[str, float]
+    wall_s: float
+    before: dict[str, float] | None = None
+    n_examples: int | None = None  # SFT: training pairs after filtering
+    filtered_sizes: list[int] = field(default_factory=list)  # expert iteration: kept responses per step
+
 
 
 def start_run(cfg, resume: bool = False, model=None, tokenizer=None):
