@@ -159,3 +159,15 @@ def test_arithmetic_settings_and_errors():
         get_task("sudoku")
     with pytest.raises(ValueError, match="distinct"):
         get_task("arithmetic", digits=1, num_ops=1, ops="+").examples("test", 500)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_wrong_solution_keeps_the_question_and_fails_the_verifier(name):
+    import random
+
+    task = get_task(name, seed=3)
+    rng = random.Random(0)
+    for e in task.examples("validation", 30):
+        bad = task.wrong_solution(e, rng)
+        assert bad != e.solution
+        assert task.reward_fn(bad, e.answer) == {"reward": 0.0, "format_reward": 1.0, "answer_reward": 0.0}

@@ -78,15 +78,12 @@ class DPOConfig(RunConfig):
 
 
 def task_preference_pairs(task_name: str, split: str, n: int, seed: int, options: dict, template) -> list[PreferencePair]:
-    """(prompt, correct worked solution, wrong worked solution) from an embedded task."""
-    good = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0}).examples(split, n)
-    bad = {e.question: e for e in get_task(task_name, seed=seed, **{**options, "wrong_fraction": 1.0}).examples(split, n)}
-    pairs = []
-    for e in good:
-        wrong = bad.get(e.question)
-        if wrong is not None and wrong.solution != e.solution:
-            pairs.append(PreferencePair(template.format(e.question), e.solution, wrong.solution))
-    return pairs
+    """(prompt, a correct worked solution, the same solution with a wrong final answer) for ``n``
+    questions of an embedded task's split."""
+    task = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0})
+    rng = random.Random(f"pairs:{seed}:{split}")
+    return [PreferencePair(template.format(e.question), e.solution, task.wrong_solution(e, rng))
+            for e in task.examples(split, n)]
 
 
 def _pairs(cfg: DPOConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
@@ -121,6 +118,8 @@ def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, devic
 def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batch_size: int = 32) -> dict[str, float]:
     """Held-out preference accuracy: the share of pairs whose implicit reward margin
     ``beta * ((c - c_ref) - (r - r_ref))`` is positive; also the mean DPO loss and margin."""
+    if not pairs:
+        raise ValueError("no held-out preference pairs to evaluate on")
     correct, losses, margins = 0, [], []
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
@@ -131,7 +130,7 @@ def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batc
         losses.append(compute_dpo_loss(c, r, rc, rr, beta))
         margins.append(margin)
     return {"preference_accuracy": correct / max(1, len(pairs)), "dpo_loss": float(torch.cat(losses).mean()),
-            "reward_margin": float(torch.cat(margins).mean()), "chosen_more_likely": float("nan")}
+            "reward_margin": float(torch.cat(margins).mean())}
 
 
 def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> TrainResult:
@@ -150,7 +149,6 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> 
         model.eval()
         m = preference_accuracy(model, ref, tokenizer, held, cfg.beta, cfg.use_alpaca_template, device)
         model.train()
-        m.pop("chosen_more_likely")
         logger.log({"eval_step": step, **{f"eval/{k}": v for k, v in m.items()}})
         return m
 

@@ -60,6 +60,10 @@ class Task:
     def _make(self, rng: random.Random, wrong: bool) -> Example:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def wrong_solution(self, example: Example, rng: random.Random) -> str:  # pragma: no cover - abstract
+        """A worked solution of the same question whose final answer is wrong (for preference pairs)."""
+        raise NotImplementedError
+
     def examples(self, split: str, n: int) -> list[Example]:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
@@ -130,6 +134,12 @@ class ArithmeticTask(Task):
         return Example(question, str(answer), solution)
 
 
+    def wrong_solution(self, example: Example, rng: random.Random) -> str:
+        head, _, rest = example.solution.rpartition("<answer>")
+        value = int(rest.split("</answer>")[0])
+        return f"{head}<answer>{_wrong(value, rng)}</answer>"
+
+
 @dataclass
 class CountdownTask(Task):
     """Countdown (TinyZero): reach ``target`` with ``+ - * /`` using each given number at most once.
@@ -170,6 +180,11 @@ class CountdownTask(Task):
             expr = f"{expr}+1" if rng.random() < 0.5 else f"{expr}-1"
         solution = " ".join(steps) + f"</think> <answer>{expr}</answer>"
         return Example(question, {"numbers": nums, "target": value}, solution)
+
+    def wrong_solution(self, example: Example, rng: random.Random) -> str:
+        head, _, rest = example.solution.rpartition("<answer>")
+        equation = rest.split("</answer>")[0]
+        return f"{head}<answer>{equation}{rng.choice(['+1', '-1'])}</answer>"
 
 
 TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
