@@ -77,12 +77,19 @@ def extract_r1_zero_answer(response: str, lenient_format: bool = False) -> str |
 
 
 def r1_zero_reward_fn(
-    response: str, ground_truth: Any, *, lenient_format: bool = False, timeout: float = DEFAULT_TIMEOUT_S
+    response: str,
+    ground_truth: Any,
+    fast: bool = True,
+    *,
+    lenient_format: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, float]:
     """R1-Zero reward (CS336 A5 ``r1_zero_reward_fn``): 1 only when the format and the answer are right.
 
     ``response`` is what follows the prompt's ``<think>``. A badly formatted response scores 0 on
     all three keys, as in CS336's grader; text after ``</answer>`` (an end-of-turn token) is ignored.
+    ``fast`` is accepted for compatibility with the CS336 grader's signature; grading is always the
+    fast exact path first, then math-verify.
     """
     answer = extract_r1_zero_answer(response, lenient_format)
     if answer is None:
