@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.sft import SFTConfig, train_sft
-from .algorithms.toolkit import atomic_write_text, read_metrics
+from .algorithms.toolkit import atomic_write_text, plot_grpo_run
 from .data import get_task, load_template
 from .eval import evaluate
 from .models import load_model_and_tokenizer, save_model_and_tokenizer
@@ -34,30 +34,6 @@ GRPO = dict(n_grpo_steps=150, learning_rate=1e-4, rollout_batch_size=128, group_
             sampling_temperature=1.0, sampling_min_tokens=1, sampling_max_tokens=32, warmup_steps=0,
             eval_every=25, eval_examples=200, task_train_size=3000)
 TEST_EXAMPLES = 400
-
-
-def _plot(metrics_path: Path, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(metrics_path)
-    train = [r for r in records if "train/reward" in r]
-    evals = [r for r in records if "eval/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["grpo_step"] for r in train], [r["train/reward"] for r in train], label="train reward (rollouts)", alpha=0.6)
-    ax.plot([r["grpo_step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="validation accuracy")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(0, 1)
-    ax.set_title("grpolab demo: GRPO on the embedded tiny model (arithmetic)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
 
 
 def _table(before: dict, after: dict) -> str:
@@ -116,7 +92,8 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     timings["total_s"] = time.perf_counter() - start
 
     final = save_model_and_tokenizer(model, tokenizer, run_dir / "final")
-    plot = _plot(grpo_result.metrics_path, run_dir / "grpo_demo.png")
+    plot = plot_grpo_run(grpo_result.metrics_path, run_dir / "grpo_demo.png",
+                         "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
     summary = {
         "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": len(test),
         "before": before, "after": after,

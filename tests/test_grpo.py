@@ -51,6 +51,7 @@ def test_learns_a_trivially_learnable_reward(tmp_path):
     assert sum(rewards[-5:]) / 5 > 0.6, rewards
     final = result.final_dir
     assert (final / "model.safetensors").exists() and (final / "tokenizer.json").exists()
+    assert (result.run_dir / "curves.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("variant", [

@@ -53,6 +53,7 @@ from .toolkit import (
     make_scheduler,
     optimizer_step,
     plan_microbatches,
+    plot_grpo_run,
     progress,
     restore_rng,
     rng_state,
@@ -446,4 +447,5 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
     save_model_and_tokenizer(model, tokenizer, run.final)
     logger.close()
     scorer.close()
+    plot_grpo_run(run.metrics_path, run.path / "curves.png", f"GRPO: {run.path.name}")
     return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, before=before)

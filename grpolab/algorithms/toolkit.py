@@ -258,6 +258,31 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def plot_grpo_run(metrics_path: Path, out: Path, title: str = "GRPO") -> Path:
+    """A PNG of rollout reward and validation accuracy per GRPO step, from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [r for r in records if "train/reward" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["grpo_step"] for r in train], [r["train/reward"] for r in train], label="train reward (rollouts)", alpha=0.6)
+    ax.plot([r["grpo_step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="validation accuracy")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)
+
+
 def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
     from tqdm.auto import tqdm
 
