@@ -72,3 +72,8 @@ def test_gradient_checkpointing_and_bad_dir(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="config.json"):
         load_model(str(tmp_path / "empty"))
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no such model directory"):
+        load_model_and_tokenizer(str(tmp_path / "missing"))

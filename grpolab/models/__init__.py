@@ -40,7 +40,23 @@ def load_tokenizer(path: str, padding_side: str = "right"):
         return prepare_tokenizer(build_char_tokenizer(), padding_side)
     from transformers import AutoTokenizer
 
-    return prepare_tokenizer(AutoTokenizer.from_pretrained(path), padding_side)
+    _check_local(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot load a tokenizer ({_first_line(exc)})") from None
+    return prepare_tokenizer(tokenizer, padding_side)
+
+
+def _check_local(path: str) -> None:
+    """A path that is clearly local (not a hub name) must exist."""
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ValueError(f"{path}: no such model directory")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def load_model(
@@ -59,13 +75,17 @@ def load_model(
     else:
         from transformers import AutoModelForCausalLM
 
+        _check_local(path)
         p = Path(path)
         if p.exists() and not (p / "config.json").exists():
             raise ValueError(f"{path}: not a Hugging Face model directory (no config.json)")
         kwargs = {"dtype": torch_dtype}
         if p.is_dir() and any(p.glob("*.safetensors")):
             kwargs["use_safetensors"] = True
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot load a causal LM ({_first_line(exc)})") from None
     model = model.to(device)
     if gradient_checkpointing:
         # transformers 5 renamed it; 4.x has only the old name
