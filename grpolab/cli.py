@@ -100,9 +100,9 @@ def ei(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
 
 
 @app.command(context_settings=EXTRA)
-def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
+def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
     """PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."""
-    _report(_train("ppo", "PPOConfig", "train_ppo", ctx, config))
+    _report(_train("ppo", "PPOConfig", "train_ppo", ctx, config, resume))
 
 
 @app.command(context_settings=EXTRA)

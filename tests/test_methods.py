@@ -180,3 +180,20 @@ def test_expert_iteration_filters_and_trains(tmp_path):
 def reward_any_digit(response, ground_truth):
     r = float(any(ch.isdigit() for ch in response))
     return {"reward": r, "format_reward": 1.0, "answer_reward": r}
+
+
+def test_ppo_resume_matches_uninterrupted(tmp_path):
+    from safetensors.torch import load_file
+
+    base = dict(rollout_batch_size=16, group_size=2, train_batch_size=8, ppo_epochs=2, learning_rate=1e-3,
+                checkpoint_every=2, **SMALL)
+    full = train_ppo(PPOConfig(n_ppo_steps=4, run_dir=str(tmp_path / "full"), **base))
+    part = PPOConfig(n_ppo_steps=2, run_dir=str(tmp_path / "part"), **base)
+    train_ppo(part)
+    resumed = train_ppo(part.model_copy(update={"n_ppo_steps": 4}), resume=True)
+    a = load_file(full.final_dir / "model.safetensors")
+    b = load_file(resumed.final_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    va = load_file(full.final_dir / "value_head.safetensors")
+    vb = load_file(resumed.final_dir / "value_head.safetensors")
+    assert all(torch.equal(va[k], vb[k]) for k in va)

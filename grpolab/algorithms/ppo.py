@@ -43,6 +43,7 @@ from ..rewards import RewardScorer
 from ..rollout import SamplingParams, make_backend
 from .config import RunConfig
 from .toolkit import (
+    CheckpointManager,
     ExampleSampler,
     MetricsLogger,
     TrainResult,
@@ -53,6 +54,8 @@ from .toolkit import (
     make_scheduler,
     optimizer_step,
     progress,
+    restore_rng,
+    rng_state,
     start_run,
     take_rows,
 )
@@ -90,6 +93,8 @@ class PPOConfig(RunConfig):
     eval_every: int = Field(0, ge=0)
     eval_examples: int = Field(200, ge=1)
     eval_temperature: float = Field(1.0, ge=0)
+    checkpoint_every: int = Field(0, ge=0)  # PPO steps between checkpoints (0: only the final model)
+    keep_last: int = Field(2, ge=1)
     run_dir: str = "runs/ppo"
 
     @model_validator(mode="after")
@@ -152,12 +157,17 @@ def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_to
     }
 
 
-def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> TrainResult:
+def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False) -> TrainResult:
+    """Run PPO as configured; ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     wall = time.perf_counter()
-    run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
+    run, ckpts, resume_from, device, model, tokenizer = start_run(cfg, resume, model, tokenizer)
     autocast = autocast_for(cfg.dtype, device)
     policy = PolicyWithValue(model).to(device)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
+    state = CheckpointManager.load_state(resume_from) if resume_from is not None else None
+    if state is not None:  # the reference is the starting policy, not the checkpoint
+        ref.load_state_dict(state["reference_model"])
+        policy.value_head.load_state_dict(state["value_head"])
     train, evals, template, reward_fn = load_inputs(cfg)
     scorer = RewardScorer(reward_fn, timeout_s=0)
     n_minibatches = cfg.rollout_batch_size // cfg.train_batch_size
@@ -173,9 +183,17 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> TrainResult:
     eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
                                    min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
     questions = ExampleSampler(len(train), cfg.seed)
+    sample_gen = backend.generator
+    start_step, train_step, eval_step = 0, 0, 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        kl_ctl.load_state_dict(state["kl_controller"])
+        questions.load_state_dict(state["data"])
+        restore_rng(state["rng"], {"sampling": sample_gen})
+        start_step, train_step, eval_step = state["ppo_step"], state["train_step"], state["eval_step"]
     logger = MetricsLogger(run.metrics_path)
     pad = pad_token_id(tokenizer)
-    eval_step = 0
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal eval_step
@@ -186,10 +204,9 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> TrainResult:
         eval_step += 1
         return m
 
-    before = run_eval(0)
-    train_step = 0
-    bar = progress(cfg.n_ppo_steps, "PPO", cfg.show_progress)
-    for step in range(cfg.n_ppo_steps):
+    before = run_eval(0) if start_step == 0 else None
+    bar = progress(cfg.n_ppo_steps, "PPO", cfg.show_progress, initial=start_step)
+    for step in range(start_step, cfg.n_ppo_steps):
         t0 = time.perf_counter()
         batch_q = [train[i] for i in questions.next(cfg.rollout_batch_size // cfg.group_size)]
         rollouts = backend.generate([template.format(e.question) for e in batch_q], cfg.group_size, sampling)
@@ -265,6 +282,13 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None) -> TrainResult:
         bar.update(1)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.n_ppo_steps:
             run_eval(step + 1)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            ckpts.save(step + 1, model, tokenizer, {
+                "ppo_step": step + 1, "train_step": train_step, "eval_step": eval_step,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "kl_controller": kl_ctl.state_dict(), "data": questions.state_dict(),
+                "rng": rng_state({"sampling": sample_gen}), "config": cfg.to_dict(),
+                "value_head": policy.value_head.state_dict(), "reference_model": ref.state_dict()})
     bar.close()
     after = run_eval(cfg.n_ppo_steps)
     save_model_and_tokenizer(model, tokenizer, run.final)
