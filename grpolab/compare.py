@@ -25,7 +25,7 @@ from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.ppo import PPOConfig, train_ppo
 from .algorithms.sft import SFTConfig, train_sft
 from .algorithms.toolkit import atomic_write_text, read_metrics
-from .core import get_response_log_probs, tokenize_prompt_and_output
+from .core import sum_response_log_probs
 from .data import get_task, load_template
 from .demo import GRPO as DEMO_GRPO
 from .demo import SFT as DEMO_SFT
@@ -42,10 +42,9 @@ def reference_perplexity(model, tokenizer, prompts, responses, batch_size: int =
     """exp(mean NLL per token) of reference responses given their prompts."""
     nll, count = 0.0, 0
     for i in range(0, len(prompts), batch_size):
-        b = tokenize_prompt_and_output(prompts[i : i + batch_size], responses[i : i + batch_size], tokenizer)
-        lp = get_response_log_probs(model, b["input_ids"], b["labels"])["log_probs"]
-        nll -= float((lp * b["response_mask"]).sum())
-        count += int(b["response_mask"].sum())
+        sums, counts = sum_response_log_probs(model, tokenizer, prompts[i : i + batch_size], responses[i : i + batch_size])
+        nll -= float(sums.sum())
+        count += int(counts.sum())
     return math.exp(nll / max(count, 1))
 
 

@@ -116,6 +116,17 @@ def test_get_response_log_probs_matches_log_softmax_and_keeps_grad():
     assert set(get_response_log_probs(lm, ids, labels)) == {"log_probs"}
 
 
+def test_sum_response_log_probs_matches_a_manual_sum(char_tokenizer):
+    from grpolab.core import sum_response_log_probs
+
+    lm = _TableLM(vocab=len(char_tokenizer))
+    sums, counts = sum_response_log_probs(lm, char_tokenizer, ["ab", "c"], ["cd", "abba"])
+    batch = tokenize_prompt_and_output(["ab", "c"], ["cd", "abba"], char_tokenizer)
+    lp = get_response_log_probs(lm, batch["input_ids"], batch["labels"])["log_probs"]
+    assert counts.tolist() == [2, 4]
+    assert torch.allclose(sums, (lp * batch["response_mask"]).sum(-1))
+
+
 def test_tokenize_prompt_and_output(char_tokenizer):
     out = tokenize_prompt_and_output(["ab", "c"], ["cd", "abba"], char_tokenizer)
     assert set(out) == {"input_ids", "labels", "response_mask"}

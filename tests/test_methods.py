@@ -148,10 +148,13 @@ def test_dpo_preference_accuracy_rises_on_separable_pairs(tmp_path):
     assert rows[-1]["train/dpo_loss"] < rows[0]["train/dpo_loss"]
 
 
-def test_dpo_task_pairs_run(tmp_path):
-    result = train_dpo(DPOConfig(n_dpo_steps=2, train_batch_size=4, task_train_size=20, eval_pairs=8,
+def test_dpo_on_task_pairs_moves_the_margin(tmp_path):
+    result = train_dpo(DPOConfig(n_dpo_steps=5, train_batch_size=4, task_train_size=20, eval_pairs=8, learning_rate=1e-3,
                                  run_dir=str(tmp_path / "t"), show_progress=False, device="cpu"))
-    assert 0.0 <= result.after["preference_accuracy"] <= 1.0
+    assert result.before["preference_accuracy"] == 0.0 and result.before["reward_margin"] == 0.0
+    assert result.after["reward_margin"] != 0.0
+    rows = [r for r in read_metrics(result.metrics_path) if "train/dpo_loss" in r]
+    assert len(rows) == 5 and rows[0]["train/dpo_loss"] == pytest.approx(math.log(2), rel=1e-4)
 
 
 def test_dpo_on_a_preference_file(tmp_path):

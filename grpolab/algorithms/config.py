@@ -126,3 +126,39 @@ class RunConfig(BaseConfig):
                 f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
                 f"({accumulation})")
         return self
+
+
+class SampledRunConfig(RunConfig):
+    """A run that samples from the policy (GRPO, SFT's validation, PPO, expert iteration): the
+    sampling and validation fields, and the ``SamplingParams`` built from them."""
+
+    sampling_temperature: float = Field(1.0, ge=0)
+    sampling_top_p: float = Field(1.0, gt=0, le=1)
+    sampling_min_tokens: int = Field(4, ge=0)  # as in CS336's expert iteration: no empty strings
+    sampling_max_tokens: int = Field(1024, ge=1)
+    stop: list[str] = Field(default_factory=lambda: ["</answer>"])  # kept in the output
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
+    eval_examples: int = Field(200, ge=1)
+    eval_temperature: float = Field(1.0, ge=0)  # CS336 evaluates by sampling at temperature 1
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        if self.sampling_min_tokens > self.sampling_max_tokens:
+            raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens "
+                             f"({self.sampling_max_tokens})")
+        return self
+
+    def sampling_params(self):
+        """Rollout sampling (no seed of its own: the trainer's generator carries the state)."""
+        from ..rollout import SamplingParams
+
+        return SamplingParams(temperature=self.sampling_temperature, top_p=self.sampling_top_p,
+                              max_tokens=self.sampling_max_tokens, min_tokens=self.sampling_min_tokens,
+                              stop=list(self.stop))
+
+    def eval_sampling_params(self):
+        """Validation sampling, seeded so every evaluation of a run sees the same draws."""
+        from ..rollout import SamplingParams
+
+        return SamplingParams(temperature=self.eval_temperature, max_tokens=self.sampling_max_tokens,
+                              min_tokens=self.sampling_min_tokens, stop=list(self.stop), seed=self.seed + 1)

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..core import compute_dpo_loss, get_response_log_probs, tokenize_prompt_and_output
+from ..core import compute_dpo_loss, sum_response_log_probs
 from ..data import PreferencePair, get_task, load_preferences, load_template
 from ..models import save_model_and_tokenizer
 from .config import RunConfig
@@ -40,26 +40,16 @@ ALPACA_TEMPLATE = (
 )
 
 
-def _response_log_prob(lm, tokenizer, prompt_text: str, response_text: str) -> torch.Tensor:
-    """Sum of log-probs of the response tokens (prompt and response tokenised separately)."""
-    batch = tokenize_prompt_and_output([prompt_text], [response_text], tokenizer)
-    device = next(lm.parameters()).device
-    lp = get_response_log_probs(lm, batch["input_ids"].to(device), batch["labels"].to(device))["log_probs"]
-    return (lp * batch["response_mask"].to(device)).sum(-1)[0]
-
-
 def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str,
                                   response_rejected: str) -> torch.Tensor:
     """Per-instance DPO loss (CS336 A5 supplement): Alpaca-formatted prompt, response + EOS."""
     prompt_text = ALPACA_TEMPLATE.format(instruction=prompt)
     eos = tokenizer.eos_token or ""
-    chosen, rejected = response_chosen + eos, response_rejected + eos
-    lp_c = _response_log_prob(lm, tokenizer, prompt_text, chosen)
-    lp_r = _response_log_prob(lm, tokenizer, prompt_text, rejected)
+    prompts, responses = [prompt_text] * 2, [response_chosen + eos, response_rejected + eos]
+    (lp_c, lp_r), _ = sum_response_log_probs(lm, tokenizer, prompts, responses)
     with torch.no_grad():
-        ref_c = _response_log_prob(lm_ref, tokenizer, prompt_text, chosen).to(lp_c.device)
-        ref_r = _response_log_prob(lm_ref, tokenizer, prompt_text, rejected).to(lp_c.device)
-    return compute_dpo_loss(lp_c, lp_r, ref_c, ref_r, beta)
+        (ref_c, ref_r), _ = sum_response_log_probs(lm_ref, tokenizer, prompts, responses)
+    return compute_dpo_loss(lp_c, lp_r, ref_c.to(lp_c.device), ref_r.to(lp_c.device), beta)
 
 
 class DPOConfig(RunConfig):
@@ -103,14 +93,12 @@ def _pairs(cfg: DPOConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
 
 
 def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) response log-prob sums of a batch of pairs, in one forward."""
     fmt = (lambda p: ALPACA_TEMPLATE.format(instruction=p)) if alpaca else (lambda p: p)
     eos = tokenizer.eos_token or ""
     prompts = [fmt(p.prompt) for p in pairs] * 2
     responses = [p.chosen + eos for p in pairs] + [p.rejected + eos for p in pairs]
-    batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    lp = get_response_log_probs(lm, batch["input_ids"], batch["labels"])["log_probs"]
-    sums = (lp * batch["response_mask"]).sum(-1)
+    sums, _ = sum_response_log_probs(lm, tokenizer, prompts, responses)
     return sums[: len(pairs)], sums[len(pairs):]
 
 

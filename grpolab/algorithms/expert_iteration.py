@@ -9,7 +9,6 @@ token entropy on its samples, the reward of the samples, and the SFT loss.
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import torch
 from pydantic import Field
@@ -18,8 +17,8 @@ from ..data.datasets import SFTPair
 from ..eval import evaluate, token_entropies
 from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer
-from ..rollout import SamplingParams, make_backend
-from .config import RunConfig
+from ..rollout import make_backend
+from .config import SampledRunConfig
 from .sft import accumulate_sft_gradient
 from .toolkit import (
     ExampleSampler,
@@ -34,7 +33,7 @@ from .toolkit import (
 )
 
 
-class EIConfig(RunConfig):
+class EIConfig(SampledRunConfig):
     n_ei_steps: int = Field(5, ge=1)  # CS336 Algorithm 2's n_ei_steps
     ei_batch_size: int = Field(512, ge=1)  # questions per step (CS336 sweeps 512, 1024, 2048)
     group_size: int = Field(4, ge=1)  # responses sampled per question (G)
@@ -43,13 +42,6 @@ class EIConfig(RunConfig):
     train_batch_size: int = Field(32, ge=1)
     gradient_accumulation_steps: int = Field(4, ge=1)
     normalize_constant: float = Field(1.0, gt=0)
-    sampling_temperature: float = Field(1.0, ge=0)
-    sampling_min_tokens: int = Field(4, ge=0)
-    sampling_max_tokens: int = Field(1024, ge=1)
-    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    eval_examples: int = Field(200, ge=1)
-    eval_temperature: float = Field(1.0, ge=0)
     run_dir: str = "runs/ei"
 
 
@@ -62,8 +54,7 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> Trai
     optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
     backend = make_backend("hf", model, tokenizer, generator=torch.Generator().manual_seed(cfg.seed),
                            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
-    sampling = SamplingParams(temperature=cfg.sampling_temperature, max_tokens=cfg.sampling_max_tokens,
-                              min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop))
+    sampling = cfg.sampling_params()
     questions = ExampleSampler(len(train), cfg.seed)
     logger = MetricsLogger(run.metrics_path)
     sizes: list[int] = []
@@ -99,9 +90,7 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None) -> Trai
         bar.set_postfix(kept=len(kept), reward=f"{record['ei/reward']:.3f}")
         bar.update(1)
     bar.close()
-    after = evaluate(backend, evals, template, reward_fn,
-                     SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
-                                    min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)).metrics if evals else {}
+    after = evaluate(backend, evals, template, reward_fn, cfg.eval_sampling_params()).metrics if evals else {}
     if after:
         logger.log({"eval_step": 0, **{f"eval/{k}": v for k, v in after.items()}})
     save_model_and_tokenizer(model, tokenizer, run.final)

@@ -29,6 +29,7 @@ from ..core import (
     masked_mean,
     normalize_group_rewards,
     pad_token_id,
+    whiten,
 )
 from ..eval import evaluate, log_generations
 from ..models import save_model_and_tokenizer
@@ -38,8 +39,8 @@ from ..models.shared_prefix import (
     supports_shared_prefix,
 )
 from ..rewards import RewardScorer
-from ..rollout import SamplingParams, make_backend
-from .config import RunConfig
+from ..rollout import make_backend
+from .config import SampledRunConfig
 from .health import HealthMonitor
 from .toolkit import (
     CheckpointManager,
@@ -62,18 +63,13 @@ from .toolkit import (
 )
 
 
-class GRPOConfig(RunConfig):
+class GRPOConfig(SampledRunConfig):
     # --- CS336 Algorithm 3 (defaults from the handout)
     n_grpo_steps: int = Field(200, ge=1)
     learning_rate: float = Field(1e-5, gt=0)
     advantage_eps: float = Field(1e-6, ge=0)
     rollout_batch_size: int = Field(256, ge=1)
     group_size: int = Field(8, ge=1)
-    sampling_temperature: float = Field(1.0, ge=0)
-    sampling_min_tokens: int = Field(4, ge=0)  # as in Expiter, disallow empty strings
-    sampling_max_tokens: int = Field(1024, ge=1)
-    sampling_top_p: float = Field(1.0, gt=0, le=1)
-    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     epochs_per_rollout_batch: int = Field(1, ge=1)  # > 1 is off-policy
     train_batch_size: int = Field(256, ge=1)  # > rollout_batch_size is an error; < is off-policy
     gradient_accumulation_steps: int = Field(128, ge=1)  # micro-batch = train_batch_size / this
@@ -97,7 +93,6 @@ class GRPOConfig(RunConfig):
     kl_coef_max: float = Field(0.3, ge=0)
     kl_stop: float | None = Field(0.3, gt=0)  # stop a rollout batch's updates when approx KL(old||new) exceeds it
     # --- speed and precision
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
     share_prompt_prefix: bool = True  # run each prompt once per micro-batch for its whole group (same gradient)
@@ -107,8 +102,6 @@ class GRPOConfig(RunConfig):
     reward_workers: int = Field(0, ge=0)
     # --- evaluation, logging, checkpoints
     eval_every: int = Field(0, ge=0)  # GRPO steps between validation runs (0: only at the end)
-    eval_examples: int = Field(200, ge=1)
-    eval_temperature: float = Field(1.0, ge=0)
     log_generations_samples: int = Field(8, ge=0)
     checkpoint_every: int = Field(0, ge=0)  # GRPO steps between checkpoints (0: only the final model)
     keep_last: int = Field(2, ge=1)
@@ -128,8 +121,6 @@ class GRPOConfig(RunConfig):
         if self.rollout_batch_size % self.train_batch_size:
             raise ValueError(
                 f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size ({self.train_batch_size})")
-        if self.sampling_min_tokens > self.sampling_max_tokens:
-            raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens ({self.sampling_max_tokens})")
         if self.kl_coef_min > self.kl_coef_max:
             raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
         if self.loss_type == "grpo_clip" and not self.off_policy:
@@ -286,10 +277,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
                            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=sample_gen)
     sampler = ExampleSampler(len(train_examples), cfg.seed)
     health = HealthMonitor(cfg.health_window, cfg.truncation_threshold, stop_on_unhealthy=cfg.stop_on_unhealthy)
-    sampling = SamplingParams(temperature=cfg.sampling_temperature, top_p=cfg.sampling_top_p,
-                              max_tokens=cfg.sampling_max_tokens, min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop))
-    eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
-                                   min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
+    sampling = cfg.sampling_params()
+    eval_sampling = cfg.eval_sampling_params()
     normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
     pad_id = pad_token_id(tokenizer)
 
@@ -334,7 +323,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
         advantages = normalize_group_rewards(raw_rewards, cfg.group_size, cfg.advantage_eps, cfg.use_std_normalization)
         if cfg.whiten_advantages:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8) if len(advantages) > 1 else advantages
+            advantages = whiten(advantages, torch.ones_like(advantages, dtype=torch.bool)) if len(advantages) > 1 else advantages
 
         # 3. the exact sampled ids, right-padded; old and reference log-probs once per rollout batch
         t_train = time.perf_counter()

@@ -32,16 +32,16 @@ from ..core import (
     compute_value_loss,
     kl_k1,
     kl_k3,
+    log_probs_from_logits,
     masked_mean,
     pad_token_id,
     whiten,
 )
-from ..core.logprobs import _log_probs_and_entropy
 from ..eval import evaluate
 from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer
-from ..rollout import SamplingParams, make_backend
-from .config import RunConfig
+from ..rollout import make_backend
+from .config import SampledRunConfig
 from .toolkit import (
     CheckpointManager,
     ExampleSampler,
@@ -61,7 +61,7 @@ from .toolkit import (
 )
 
 
-class PPOConfig(RunConfig):
+class PPOConfig(SampledRunConfig):
     # --- PPO
     n_ppo_steps: int = Field(100, ge=1)
     rollout_batch_size: int = Field(64, ge=1)
@@ -85,14 +85,7 @@ class PPOConfig(RunConfig):
     kl_stop: float | None = Field(0.3, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    sampling_temperature: float = Field(1.0, ge=0)
-    sampling_min_tokens: int = Field(4, ge=0)
-    sampling_max_tokens: int = Field(1024, ge=1)
-    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
-    dtype: Literal["float32", "bfloat16"] = "float32"
     eval_every: int = Field(0, ge=0)
-    eval_examples: int = Field(200, ge=1)
-    eval_temperature: float = Field(1.0, ge=0)
     checkpoint_every: int = Field(0, ge=0)  # PPO steps between checkpoints (0: only the final model)
     keep_last: int = Field(2, ge=1)
     run_dir: str = "runs/ppo"
@@ -131,7 +124,7 @@ class PolicyWithValue(torch.nn.Module):
 
     def forward(self, input_ids, labels, return_entropy: bool = False):
         out = self.lm(input_ids, output_hidden_states=True)
-        log_probs, entropy = _log_probs_and_entropy(out.logits, labels, return_entropy)
+        log_probs, entropy = log_probs_from_logits(out.logits, labels, return_entropy)
         return log_probs, entropy, self.value_head(out.hidden_states[-1])
 
 
@@ -178,10 +171,8 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
               if cfg.kl_adaptive else FixedKLController(cfg.kl_coef))
     backend = make_backend("hf", model, tokenizer, generator=torch.Generator().manual_seed(cfg.seed),
                            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
-    sampling = SamplingParams(temperature=cfg.sampling_temperature, max_tokens=cfg.sampling_max_tokens,
-                              min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop))
-    eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
-                                   min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
+    sampling = cfg.sampling_params()
+    eval_sampling = cfg.eval_sampling_params()
     questions = ExampleSampler(len(train), cfg.seed)
     sample_gen = backend.generator
     start_step, train_step, eval_step = 0, 0, 0
@@ -220,7 +211,7 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
         with torch.inference_mode(), autocast():
             old_lp, _, old_values = policy(batch["input_ids"].to(device), batch["labels"].to(device))
             ref_out = ref(batch["input_ids"].to(device)).logits
-            ref_lp, _ = _log_probs_and_entropy(ref_out, batch["labels"].to(device), False)
+            ref_lp, _ = log_probs_from_logits(ref_out, batch["labels"].to(device), False)
         old_lp, old_values, ref_lp = old_lp.float().cpu(), old_values.float().cpu() * mask, ref_lp.float().cpu()
         # per-token rewards: -kl_coef * KL at every response token, the verifier's score at the last one
         kl = kl_k1(old_lp, ref_lp) * mask

@@ -24,8 +24,8 @@ from ..data.datasets import SFTPair
 from ..eval import evaluate, log_generations
 from ..models import save_model_and_tokenizer
 from ..rewards import RewardScorer, build_reward
-from ..rollout import SamplingParams, make_backend
-from .config import RunConfig
+from ..rollout import make_backend
+from .config import SampledRunConfig
 from .toolkit import (
     CheckpointManager,
     ExampleSampler,
@@ -45,7 +45,7 @@ from .toolkit import (
 )
 
 
-class SFTConfig(RunConfig):
+class SFTConfig(SampledRunConfig):
     filter_correct: bool = False
     max_examples: int | None = Field(None, ge=1)
     # --- optimisation
@@ -56,14 +56,8 @@ class SFTConfig(RunConfig):
     normalize_constant: float = Field(1.0, gt=0)  # sum of response-token NLL / this (CS336)
     warmup_steps: int = Field(1000, ge=0)  # capped at 10 % of n_sft_steps
     lr_schedule: Literal["constant", "cosine"] = "cosine"
-    dtype: Literal["float32", "bfloat16"] = "float32"
     # --- evaluation, logging, checkpoints
     eval_every: int = Field(0, ge=0)
-    eval_examples: int = Field(200, ge=1)
-    eval_temperature: float = Field(1.0, ge=0)
-    sampling_max_tokens: int = Field(1024, ge=1)
-    sampling_min_tokens: int = Field(4, ge=0)
-    stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     log_generations_samples: int = Field(8, ge=0)
     checkpoint_every: int = Field(0, ge=0)
     keep_last: int = Field(2, ge=1)
@@ -146,8 +140,7 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
     sampler = ExampleSampler(len(pairs), cfg.seed)
     sample_gen = torch.Generator().manual_seed(cfg.seed)
     backend = make_backend("hf", model, tokenizer, generator=sample_gen)
-    eval_sampling = SamplingParams(temperature=cfg.eval_temperature, max_tokens=cfg.sampling_max_tokens,
-                                   min_tokens=cfg.sampling_min_tokens, stop=list(cfg.stop), seed=cfg.seed + 1)
+    eval_sampling = cfg.eval_sampling_params()
     start_step, eval_step = 0, 0
     if resume_from is not None:
         state = CheckpointManager.load_state(resume_from)

@@ -11,7 +11,6 @@ import random
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -287,14 +286,6 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, dynamic_ncols=True, leave=True)
-
-
-class Timer:
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.start
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -21,7 +21,9 @@ from .logprobs import (
     build_sequences,
     compute_entropy,
     get_response_log_probs,
+    log_probs_from_logits,
     pad_token_id,
+    sum_response_log_probs,
     tokenize_prompt_and_output,
 )
 from .losses import (
@@ -62,11 +64,13 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "log_probs_from_logits",
     "masked_mean",
     "masked_normalize",
     "normalize_group_rewards",
     "pad_token_id",
     "sft_microbatch_train_step",
+    "sum_response_log_probs",
     "tokenize_prompt_and_output",
     "whiten",
 ]

@@ -23,10 +23,12 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     return lse - (probs * logits).sum(dim=-1)
 
 
-def _log_probs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # One logsumexp serves both outputs; the (B, T, V) log-softmax is never materialised.
+    """Log-probabilities of ``labels`` (B, T) under ``logits`` (B, T, V), and the per-position
+    entropy when asked (else None). One logsumexp serves both; the (B, T, V) log-softmax is never
+    materialised. bf16/fp16 logits are reduced in float32."""
     logits = _upcast(logits)
     lse = torch.logsumexp(logits, dim=-1)
     label_logits = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
@@ -54,7 +56,7 @@ def get_response_log_probs(
     """
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     logits = model(input_ids, **kwargs).logits
-    log_probs, entropy = _log_probs_and_entropy(logits, labels, return_token_entropy)
+    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy)
     out = {"log_probs": log_probs}
     if return_token_entropy:
         out["token_entropy"] = entropy
@@ -75,6 +77,16 @@ def tokenize_prompt_and_output(
     prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
     output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
     return build_sequences(prompt_ids, output_ids, pad_token_id(tokenizer))
+
+
+def sum_response_log_probs(model: Any, tokenizer: Any, prompt_strs: list[str], output_strs: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example sum of the output tokens' log-probs given the prompt, and the output token
+    counts: ``(sums (B,), counts (B,))``. Gradients flow unless the caller disables them."""
+    batch = tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
+    device = next(model.parameters()).device
+    mask = batch["response_mask"].to(device)
+    lp = get_response_log_probs(model, batch["input_ids"].to(device), batch["labels"].to(device))["log_probs"]
+    return (lp * mask).sum(-1), mask.sum(-1)
 
 
 def pad_token_id(tokenizer: Any) -> int:

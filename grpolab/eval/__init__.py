@@ -46,7 +46,8 @@ def evaluate(
         return sum(xs) / len(xs) if xs else 0.0
 
     metrics = {
-        "accuracy": mean(s["answer_reward"] * s.get("format_reward", 1.0) if "answer_reward" in s else s["reward"] for s in scores),
+        # a right answer in the right format (the plain reward when a custom one reports no answer)
+        "accuracy": mean(s.get("answer_reward", s["reward"]) * s.get("format_reward", 1.0) for s in scores),
         "reward": mean(s["reward"] for s in scores),
         "format_rate": mean(s.get("format_reward", 0.0) for s in scores),
         "mean_length": mean(lengths),

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..rewards import (
-    RewardScorer,
     extract_r1_zero_answer,
     last_boxed,
     last_number,
@@ -84,7 +83,7 @@ def evaluate_model(
 ) -> tuple[dict[str, Any], list[dict]]:
     """All figures for ``k`` samples per question. Returns (metrics, generations)."""
     sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=min_tokens, stop=list(stop), seed=seed)
-    result = evaluate(backend, examples, template, reward_fn, sampling, n=k, scorer=RewardScorer(reward_fn, timeout_s=0))
+    result = evaluate(backend, examples, template, reward_fn, sampling, n=k)
     per_q: list[list[int]] = [[] for _ in examples]
     for i, r in enumerate(result.rollouts):
         per_q[r.prompt_index].append(i)

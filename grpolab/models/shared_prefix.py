@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from ..core.logprobs import _log_probs_and_entropy
+from ..core import log_probs_from_logits
 
 
 def _cache_kw(model) -> str:
@@ -82,7 +82,7 @@ def shared_prefix_response_log_probs(
         logits = torch.cat([first_logits, rest], dim=1)
     else:
         logits = first_logits
-    log_probs, entropy = _log_probs_and_entropy(logits, labels, return_token_entropy)
+    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy)
     result = {"log_probs": log_probs, "response_mask": resp_mask}
     if return_token_entropy:
         result["token_entropy"] = entropy
