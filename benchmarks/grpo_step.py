@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient
-from grpolab.algorithms.toolkit import make_optimizer, optimizer_step
-from grpolab.core import build_sequences, normalize_group_rewards
+from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient, make_rollout_batch
+from grpolab.algorithms.optimization import make_optimizer, optimizer_step
+from grpolab.core import normalize_group_rewards
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 
@@ -50,13 +50,10 @@ def grpolab_step(model, tok, backend, optimizer, cfg, sampling, autocast, skip: 
     t1 = time.perf_counter()
     raw = torch.tensor([reward(r.response) for r in rollouts])
     adv = normalize_group_rewards(raw, GROUP, 1e-6, True)
-    batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], tok.pad_token_id)
-    batch["advantages"], batch["raw_rewards"] = adv.unsqueeze(1), raw.unsqueeze(1)
-    batch["pad_id"] = tok.pad_token_id
-    sequences = [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts]
-    contributes = batch["response_mask"].any(1) & ((adv != 0) | (not skip))
+    batch = make_rollout_batch(rollouts, raw, adv, tok.pad_token_id)
+    contributes = batch.response_mask.any(1) & ((adv != 0) | (not skip))
     accumulate_policy_gradient(model, batch, list(range(len(rollouts))), cfg, contributes, 0.0,
-                               torch.device("cpu"), autocast, float(MAX_NEW), sequences=sequences)
+                               torch.device("cpu"), autocast)
     optimizer_step(model, optimizer, None, 1.0)
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, int(contributes.sum())

@@ -35,37 +35,67 @@ def _user_errors():
     from .algorithms.config import ConfigError
     from .data import DataError, TemplateError
 
-    return (ConfigError, DataError, TemplateError, ValueError, FileNotFoundError)
+    return (ConfigError, DataError, TemplateError, ValueError, FileNotFoundError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
+
+
+def _trainers():
+    """The front door: each training command, its config class and its trainer function."""
+    from .algorithms.dpo import DPOConfig, train_dpo
+    from .algorithms.expert_iteration import EIConfig, train_expert_iteration
+    from .algorithms.grpo import GRPOConfig, train_grpo
+    from .algorithms.ppo import PPOConfig, train_ppo
+    from .algorithms.sft import SFTConfig, train_sft
+
+    return {
+        "grpo": (GRPOConfig, train_grpo),
+        "sft": (SFTConfig, train_sft),
+        "ei": (EIConfig, train_expert_iteration),
+        "ppo": (PPOConfig, train_ppo),
+        "dpo": (DPOConfig, train_dpo),
+    }
 
 
 def _build(config_cls, config: Optional[Path], args: list[str], resume: Optional[Path]):
+    """The config of a fresh run (``--config`` + ``--field value``), or of a resumed one: the run's
+    own saved config, with only the fields a resume may change taken from the command line."""
     from .algorithms.config import parse_overrides
 
     overrides = parse_overrides(args)
-    if resume is not None:
-        saved = resume / "config.yaml"
-        if not saved.is_file():
-            raise FileNotFoundError(f"{resume}: not a run directory (no config.yaml)")
-        config = config or saved
-        overrides["run_dir"] = str(resume)
-    return config_cls.build(config, overrides)
+    if resume is None:
+        return config_cls.build(config, overrides)
+    saved = resume / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"{resume}: not a run directory (no config.yaml)")
+    overrides["run_dir"] = str(resume)
+    return config_cls.build(config or saved, overrides)
 
 
 CONFIG_OPT = typer.Option(None, "--config", "-c", help="YAML config (configs/*.yaml).")
-RESUME_OPT = typer.Option(None, "--resume", help="Continue the run in this run directory.")
+RESUME_OPT = typer.Option(None, "--resume", help="Continue the run in this run directory, under its own config.")
+OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace a run already in run_dir (otherwise refused).")
 
 
-def _train(module: str, config_name: str, train_name: str, ctx, config, resume=None):
-    """Build the method's config from the file and the --field value overrides, train, return the
-    result; a user error is one line on stderr and exit code 2."""
-    import importlib
+def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
+    """Build the command's config from the file and the --field value overrides, train, return the
+    result; a user error is one line on stderr and exit code 2, Ctrl-C one line and exit code 130."""
+    from .algorithms.run import RunInterrupted
 
     _quiet_hf()
-    mod = importlib.import_module(f".algorithms.{module}", __package__)
+    config_cls, train = _trainers()[command]
+    args = list(ctx.args)
     try:
-        cfg = _build(getattr(mod, config_name), config, ctx.args, resume)
-        train = getattr(mod, train_name)
-        return train(cfg, resume=True) if resume is not None else train(cfg)
+        cfg = _build(config_cls, config, args, resume)
+        return train(cfg, resume=resume is not None, overwrite=overwrite)
+    except RunInterrupted as exc:
+        typer.echo(f"grpolab: {exc}", err=True)
+        raise typer.Exit(130)
+    except OSError as exc:
+        if exc.errno == 28:
+            _fail(f"no space left on device: {exc.filename or ''}".rstrip(": "))
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+            _fail(str(exc))
+        raise
     except _user_errors() as exc:
         _fail(str(exc))
 
@@ -78,39 +108,45 @@ def _report(result) -> None:
 
 
 @app.command(context_settings=EXTRA)
-def grpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
+def grpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+         overwrite: bool = OVERWRITE_OPT) -> None:
     """Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value."""
-    _report(_train("grpo", "GRPOConfig", "train_grpo", ctx, config, resume))
+    _report(_train("grpo", ctx, config, resume, overwrite))
 
 
 @app.command(context_settings=EXTRA)
-def sft(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
+def sft(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+        overwrite: bool = OVERWRITE_OPT) -> None:
     """Supervised fine-tuning on (prompt, response) pairs, loss on the response only."""
-    result = _train("sft", "SFTConfig", "train_sft", ctx, config, resume)
+    result = _train("sft", ctx, config, resume, overwrite)
     typer.echo(f"trained on {result.n_examples} examples")
     _report(result)
 
 
 @app.command(context_settings=EXTRA)
-def ei(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
+def ei(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+       overwrite: bool = OVERWRITE_OPT) -> None:
     """Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them."""
-    result = _train("expert_iteration", "EIConfig", "train_expert_iteration", ctx, config)
+    result = _train("ei", ctx, config, resume, overwrite)
     typer.echo(f"filtered set sizes: {result.filtered_sizes}")
     _report(result)
 
 
 @app.command(context_settings=EXTRA)
-def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT) -> None:
+def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+        overwrite: bool = OVERWRITE_OPT) -> None:
     """PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."""
-    _report(_train("ppo", "PPOConfig", "train_ppo", ctx, config, resume))
+    _report(_train("ppo", ctx, config, resume, overwrite))
 
 
 @app.command(context_settings=EXTRA)
-def dpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT) -> None:
+def dpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+        overwrite: bool = OVERWRITE_OPT) -> None:
     """DPO on preference pairs; reports held-out preference accuracy."""
-    result = _train("dpo", "DPOConfig", "train_dpo", ctx, config)
-    typer.echo(f"held-out preference accuracy: {result.before['preference_accuracy']:.3f} -> "
-               f"{result.after['preference_accuracy']:.3f}")
+    result = _train("dpo", ctx, config, resume, overwrite)
+    if result.before is not None:
+        typer.echo(f"held-out preference accuracy: {result.before['preference_accuracy']:.3f} -> "
+                   f"{result.after['preference_accuracy']:.3f}")
     _report(result)
 
 
@@ -127,35 +163,25 @@ def eval_cmd(
     corpus: Optional[str] = typer.Option(None, "--corpus", help="Text/JSONL file or hf:NAME for perplexity."),
     out: Path = typer.Option(Path("runs/eval"), "--out", help="Where eval.json and generations.jsonl go."),
     seed: int = typer.Option(0, "--seed"),
+    reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds a reward may take per response."),
 ) -> None:
     """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
     _quiet_hf()
-    from .data import get_task, load_examples, load_template
-    from .eval.report import (
-        corpus_token_ids,
-        evaluate_model,
-        format_table,
-        write_report,
-    )
+    from .algorithms.inputs import task_or_file
+    from .eval.report import check_writable, corpus_token_ids, evaluate_model, format_table, write_report
     from .models import load_model_and_tokenizer
-    from .rewards import build_reward
     from .rollout import make_backend
 
     try:
+        if n < 1:
+            raise ValueError(f"--n (questions to evaluate) must be at least 1, got {n}")
+        check_writable(out)  # before any sampling: an unwritable --out must not cost the run
+        examples, template, reward_fn = task_or_file(data, n, seed=seed, prompt_template=prompt_template, reward=reward)
         lm, tok = load_model_and_tokenizer(model)
-        if data.startswith("task:"):
-            task = get_task(data[5:], seed=seed)
-            examples = task.examples("test", n)
-            template = load_template(prompt_template or task.default_template)
-            reward_fn = build_reward(reward) if reward else task.reward_fn
-        else:
-            examples = list(load_examples(data))[:n]
-            template = load_template(prompt_template or "r1_zero")
-            reward_fn = build_reward(reward or "r1_zero")
         corpus_ids = corpus_token_ids(corpus, tok) if corpus else None
         metrics, generations = evaluate_model(lm, tok, make_backend("hf", lm, tok), examples, template, reward_fn,
                                               k=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                              corpus_ids=corpus_ids)
+                                              corpus_ids=corpus_ids, reward_timeout_s=reward_timeout, source=data)
     except _user_errors() as exc:
         _fail(str(exc))
     write_report(out, metrics, generations)

@@ -20,21 +20,28 @@ from pathlib import Path
 
 import torch
 
+from .algorithms.checkpoints import atomic_write_text
 from .algorithms.expert_iteration import EIConfig, train_expert_iteration
 from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.metrics import read_metrics
 from .algorithms.ppo import PPOConfig, train_ppo
 from .algorithms.sft import SFTConfig, train_sft
-from .algorithms.toolkit import atomic_write_text, read_metrics
 from .core import sum_response_log_probs
 from .data import get_task, load_template
-from .demo import GRPO as DEMO_GRPO
-from .demo import SFT as DEMO_SFT
-from .demo import TASK, TASK_OPTIONS
 from .eval.report import evaluate_model
 from .models import load_model_and_tokenizer
+from .presets import (
+    COMPARE_EI,
+    COMPARE_GRPO,
+    COMPARE_MLE,
+    COMPARE_PPO,
+    DEMO_GRPO,
+    DEMO_SFT,
+    ROLLOUTS_PER_STEP,
+    TASK,
+    TASK_OPTIONS,
+)
 from .rollout import make_backend
-
-ROLLOUTS_PER_STEP = 128
 
 
 @torch.no_grad()
@@ -74,6 +81,31 @@ def _plot(curves: dict[str, list[tuple[int, float]]], out: Path) -> None:
     plt.close(fig)
 
 
+def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool) -> dict:
+    """Each method's (config, trainer, metrics step key, samples per step) for a budget of
+    ``steps`` x 128 samples: MLE reads that many demonstrations, the RL methods draw that many
+    responses."""
+    budget = steps * ROLLOUTS_PER_STEP
+    max_tokens, eval_every = DEMO_GRPO["sampling_max_tokens"], max(1, steps // 4)
+    mle_steps = budget // DEMO_SFT["train_batch_size"]
+    methods = {
+        "MLE (SFT)": (SFTConfig(**{**DEMO_SFT, **common, **COMPARE_MLE, "run_dir": str(run_dir / "mle"),
+                                   "n_sft_steps": mle_steps, "eval_every": max(1, mle_steps // 4),
+                                   "sampling_max_tokens": max_tokens}), train_sft, "sft_step", DEMO_SFT["train_batch_size"]),
+        "PPO": (PPOConfig(**{**common, **COMPARE_PPO, "run_dir": str(run_dir / "ppo"), "n_ppo_steps": steps,
+                             "sampling_max_tokens": max_tokens, "eval_every": eval_every}),
+                train_ppo, "ppo_step", ROLLOUTS_PER_STEP),
+        "GRPO": (GRPOConfig(**{**DEMO_GRPO, **common, **COMPARE_GRPO, "run_dir": str(run_dir / "grpo"),
+                               "n_grpo_steps": steps, "eval_every": eval_every}), train_grpo, "grpo_step", ROLLOUTS_PER_STEP),
+    }
+    if include_ei:
+        ei_batch = budget // COMPARE_EI["n_ei_steps"] // COMPARE_EI["group_size"]
+        methods["Expert iteration"] = (EIConfig(**{**common, **COMPARE_EI, "run_dir": str(run_dir / "ei"),
+                                                   "ei_batch_size": ei_batch, "sampling_max_tokens": max_tokens}),
+                                       train_expert_iteration, None, 0)
+    return methods
+
+
 def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test_examples: int = 200,
                 include_ei: bool = False, warm_steps: int | None = None, show_progress: bool = True) -> dict:
     run_dir = Path(run_dir)
@@ -81,7 +113,6 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
     budget = steps * ROLLOUTS_PER_STEP
     common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress)
     max_tokens = DEMO_GRPO["sampling_max_tokens"]
-    eval_every = max(1, steps // 4)
 
     print(f"[warm start] SFT on {TASK_OPTIONS['wrong_fraction']:.0%}-wrong demonstrations")
     t = time.perf_counter()
@@ -90,7 +121,7 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
                         "log_generations_samples": 0, "sampling_max_tokens": max_tokens})
     if warm_steps is not None:
         warm = warm.model_copy(update={"n_sft_steps": warm_steps})
-    train_sft(warm, model=base, tokenizer=tok)
+    train_sft(warm, model=base, tokenizer=tok, overwrite=True)
     warm_s = time.perf_counter() - t
 
     # held-out questions with correct worked solutions (the references for perplexity)
@@ -113,52 +144,14 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
 
     rows = {"SFT warm start": score(base, warm_s)}
     curves: dict[str, list[tuple[int, float]]] = {}
-
-    def fresh():
-        return copy.deepcopy(base)
-
-    print(f"[MLE] SFT on the demonstrations, {budget} more examples")
-    t = time.perf_counter()
-    model = fresh()
-    mle = SFTConfig(**{**DEMO_SFT, **common, "run_dir": str(run_dir / "mle"), "n_sft_steps": budget // DEMO_SFT["train_batch_size"],
-                       "learning_rate": 3e-4, "warmup_steps": 0, "lr_schedule": "constant", "eval_examples": 100,
-                       "eval_every": max(1, budget // DEMO_SFT["train_batch_size"] // 4), "log_generations_samples": 0,
-                       "sampling_max_tokens": max_tokens})
-    res = train_sft(mle, model=model, tokenizer=tok)
-    rows["MLE (SFT)"] = score(model, time.perf_counter() - t)
-    curves["MLE (SFT)"] = _curve(res.metrics_path, "sft_step", DEMO_SFT["train_batch_size"])
-
-    print(f"[PPO] {steps} steps of {ROLLOUTS_PER_STEP} responses (value head, GAE, adaptive KL)")
-    t = time.perf_counter()
-    model = fresh()
-    ppo = PPOConfig(**common, run_dir=str(run_dir / "ppo"), n_ppo_steps=steps, rollout_batch_size=ROLLOUTS_PER_STEP,
-                    group_size=8, train_batch_size=64, ppo_epochs=2, learning_rate=1e-4, vf_coef=0.1, kl_coef=0.2,
-                    kl_target=0.5, sampling_max_tokens=max_tokens, sampling_min_tokens=1, eval_every=eval_every,
-                    eval_examples=100, task_train_size=DEMO_GRPO["task_train_size"])
-    res = train_ppo(ppo, model=model, tokenizer=tok)
-    rows["PPO"] = score(model, time.perf_counter() - t)
-    curves["PPO"] = _curve(res.metrics_path, "ppo_step", ROLLOUTS_PER_STEP)
-
-    print(f"[GRPO] {steps} steps of {ROLLOUTS_PER_STEP} responses")
-    t = time.perf_counter()
-    model = fresh()
-    grpo = GRPOConfig(**{**DEMO_GRPO, **common, "run_dir": str(run_dir / "grpo"), "n_grpo_steps": steps,
-                         "eval_every": eval_every, "eval_examples": 100, "log_generations_samples": 0})
-    res = train_grpo(grpo, model=model, tokenizer=tok)
-    rows["GRPO"] = score(model, time.perf_counter() - t)
-    curves["GRPO"] = _curve(res.metrics_path, "grpo_step", ROLLOUTS_PER_STEP)
-
-    if include_ei:
-        print(f"[EI] expert iteration with {budget} sampled responses")
+    for name, (cfg, train, step_key, samples_per_step) in compare_methods(run_dir, steps, common, include_ei).items():
+        print(f"[{name}] {budget} samples")
         t = time.perf_counter()
-        model = fresh()
-        n_ei = 4
-        ei = EIConfig(**common, run_dir=str(run_dir / "ei"), n_ei_steps=n_ei, ei_batch_size=budget // n_ei // 8,
-                      group_size=8, learning_rate=3e-4, train_batch_size=64, gradient_accumulation_steps=1,
-                      sampling_max_tokens=max_tokens, sampling_min_tokens=1, eval_examples=100,
-                      task_train_size=DEMO_GRPO["task_train_size"])
-        train_expert_iteration(ei, model=model, tokenizer=tok)
-        rows["Expert iteration"] = score(model, time.perf_counter() - t)
+        model = copy.deepcopy(base)
+        res = train(cfg, model=model, tokenizer=tok, overwrite=True)
+        rows[name] = score(model, time.perf_counter() - t)
+        if step_key is not None:
+            curves[name] = _curve(res.metrics_path, step_key, samples_per_step)
 
     report = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "sample_budget": budget, "k": k,
               "test_questions": len(test), "methods": rows, "curves": curves}

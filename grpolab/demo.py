@@ -7,6 +7,8 @@
 4. run GRPO with the verifier's reward;
 5. evaluate again and print the before/after table; write ``metrics.jsonl`` (GRPO), a plot,
    ``summary.json`` and ``final/`` (a Hugging Face model directory).
+
+The demo is a self-contained job: running it again replaces its previous output in ``run_dir``.
 """
 
 from __future__ import annotations
@@ -15,25 +17,19 @@ import json
 import time
 from pathlib import Path
 
+from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.metrics import plot_grpo_run
 from .algorithms.sft import SFTConfig, train_sft
-from .algorithms.toolkit import atomic_write_text, plot_grpo_run
 from .data import get_task, load_template
 from .eval import evaluate
-from .models import load_model_and_tokenizer, save_model_and_tokenizer
+from .models import load_model_and_tokenizer
+from .presets import DEMO_GRPO as GRPO
+from .presets import DEMO_SFT as SFT
+from .presets import TASK, TASK_OPTIONS, TEST_EXAMPLES
 from .rollout import SamplingParams, make_backend
 
-TASK = "arithmetic"
-TASK_OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-", "wrong_fraction": 0.5, "wrong_kind": "answer"}
 WRONG_FRACTION = TASK_OPTIONS["wrong_fraction"]
-SFT = dict(n_sft_steps=400, learning_rate=3e-3, train_batch_size=64, gradient_accumulation_steps=1,
-           warmup_steps=40, lr_schedule="cosine", task_train_size=3000)
-GRPO = dict(n_grpo_steps=150, learning_rate=1e-4, rollout_batch_size=128, group_size=8, train_batch_size=128,
-            gradient_accumulation_steps=2, loss_type="reinforce_with_baseline", use_std_normalization=False,
-            length_normalization="masked_normalize",
-            sampling_temperature=1.0, sampling_min_tokens=1, sampling_max_tokens=32, warmup_steps=0,
-            eval_every=25, eval_examples=200, task_train_size=3000)
-TEST_EXAMPLES = 400
 
 
 def _table(before: dict, after: dict) -> str:
@@ -59,7 +55,7 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     if sft_steps is not None:
         sft_cfg = sft_cfg.model_copy(update={"n_sft_steps": sft_steps})
     print(f"[1/4] SFT warm-up on {WRONG_FRACTION:.0%}-wrong demonstrations ({sft_cfg.n_sft_steps} steps)")
-    train_sft(sft_cfg, model=model, tokenizer=tokenizer)
+    train_sft(sft_cfg, model=model, tokenizer=tokenizer, overwrite=True)
     timings["sft_s"] = time.perf_counter() - start
 
     task = get_task(TASK, seed=seed, **TASK_OPTIONS)
@@ -82,7 +78,7 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     if grpo_steps is not None:
         grpo_cfg = grpo_cfg.model_copy(update={"n_grpo_steps": grpo_steps})
     print(f"[3/4] GRPO ({grpo_cfg.n_grpo_steps} steps, {grpo_cfg.rollout_batch_size} rollouts each)")
-    grpo_result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer)
+    grpo_result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
     timings["grpo_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -91,7 +87,7 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
 
-    final = save_model_and_tokenizer(model, tokenizer, run_dir / "final")
+    final = save_final(model, tokenizer, run_dir / "final")
     plot = plot_grpo_run(grpo_result.metrics_path, run_dir / "grpo_demo.png",
                          "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
     summary = {

@@ -171,3 +171,92 @@ def test_wrong_solution_keeps_the_question_and_fails_the_verifier(name):
         bad = task.wrong_solution(e, rng)
         assert bad != e.solution
         assert task.reward_fn(bad, e.answer) == {"reward": 0.0, "format_reward": 1.0, "answer_reward": 0.0}
+
+
+# ---------------------------------------------------------------- the same seed, the same examples
+# Recorded from the code before it moved out of ``grpolab/data/tasks/__init__.py``; the demo's
+# numbers depend on these draws, so a change here is a change of every published figure.
+ARITHMETIC_PINNED = [
+    ("7+5+4", "16", "7+5=12 12+4=16</think> <answer>16</answer>", True),
+    ("5+0+0", "5", "5+0=5 5+0=5</think> <answer>7</answer>", False),
+    ("5-2+1", "4", "5-2=3 3+1=4</think> <answer>4</answer>", True),
+    ("6+6+5", "17", "6+6=12 12+5=17</think> <answer>17</answer>", True),
+    ("7+2-7", "2", "7+2=9 9-7=2</think> <answer>2</answer>", True),
+]
+COUNTDOWN_PINNED = [
+    ("Use 9 9 12 to make 99", {"numbers": [9, 9, 12], "target": 99}, "12*9=108 108-9=99</think> <answer>12*9-9-1</answer>", False),
+    ("Use 17 19 10 to make 8", {"numbers": [17, 19, 10], "target": 8}, "10+17=27 27-19=8</think> <answer>10+17-19+1</answer>", False),
+    ("Use 8 6 16 to make 2", {"numbers": [8, 6, 16], "target": 2}, "16-6=10 10-8=2</think> <answer>16-6-8-1</answer>", False),
+    ("Use 5 11 20 to make 35", {"numbers": [5, 11, 20], "target": 35}, "11*5=55 55-20=35</think> <answer>11*5-20-1</answer>", False),
+    ("Use 17 1 7 to make 10", {"numbers": [17, 1, 7], "target": 10}, "17/1=17 17-7=10</think> <answer>17/1-7</answer>", True),
+]
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,pinned",
+    [
+        ("arithmetic", dict(digits=1, num_ops=2, ops="+-", wrong_fraction=0.5, wrong_kind="answer"), ARITHMETIC_PINNED),
+        ("countdown", dict(wrong_fraction=0.5), COUNTDOWN_PINNED),
+    ],
+)
+def test_seed_zero_gives_the_recorded_examples(name, kwargs, pinned):
+    ex = get_task(name, seed=0, **kwargs).examples("train", 5)
+    assert [(e.question, e.answer, e.solution, e.meta["solution_correct"]) for e in ex] == pinned
+
+
+def test_step_errors_and_wrong_solutions_are_pinned_too():
+    import random
+
+    t = get_task("arithmetic", seed=3, digits=2, num_ops=3, ops="+-*", wrong_fraction=0.5, wrong_kind="step")
+    assert [(e.question, e.answer, e.solution) for e in t.examples("validation", 3)] == [
+        ("44-13+21*67", "1438", "21*67=1407 44-13=31 31+1407=1438</think> <answer>1438</answer>"),
+        ("36*84*71+21", "214725", "36*84=3024 3024*71=214704 214704+21=214725</think> <answer>214725</answer>"),
+        ("32-67-33*24", "-827", "33*24=792 32-67=-35 -35-792=-826</think> <answer>-826</answer>"),
+    ]
+    def rejected(name):  # DPO draws rejected answers from tasks with wrong_fraction=0
+        task, rng = get_task(name, seed=0), random.Random(0)
+        return [task.wrong_solution(e, rng) for e in task.examples("test", 3)]
+
+    assert rejected("arithmetic") + rejected("countdown") == [
+        "2-4=-2 -2-8=-10</think> <answer>-8</answer>",
+        "8+4=12 12-8=4</think> <answer>6</answer>",
+        "0+5=5 5+8=13</think> <answer>11</answer>",
+        "10*15=150 150+7=157</think> <answer>10*15+7-1</answer>",
+        "14+4=18 18+11=29</think> <answer>14+4+11-1</answer>",
+        "11+7=18 18/3=6</think> <answer>(11+7)/3+1</answer>",
+    ]
+
+
+# ---------------------------------------------------------------- package layout
+def test_package_init_files_only_re_export():
+    import ast
+    import importlib
+    import inspect
+
+    for package in ("grpolab.data", "grpolab.data.tasks", "grpolab.data.prompts"):
+        tree = ast.parse(inspect.getsource(importlib.import_module(package)))
+        for node in tree.body:
+            is_docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            is_all = isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]
+            assert is_docstring or is_all or isinstance(node, (ast.Import, ast.ImportFrom)), (
+                f"{package}/__init__.py line {node.lineno}: logic belongs in a named module"
+            )
+
+
+def test_public_names_stay_importable_from_the_packages():
+    import grpolab.data as data
+    import grpolab.data.prompts as prompts
+    import grpolab.data.tasks as tasks
+    from grpolab.data.prompts.templates import load_template as from_module
+    from grpolab.data.tasks.arithmetic import ArithmeticTask
+    from grpolab.data.tasks.base import Task
+    from grpolab.data.tasks.countdown import CountdownTask
+    from grpolab.data.tasks.registry import TASKS
+
+    for module in (data, prompts, tasks):
+        assert all(hasattr(module, name) for name in module.__all__)
+    assert {"TASKS", "ArithmeticTask", "CountdownTask", "get_task", "split_of", "Task", "SPLITS"} <= set(tasks.__all__)
+    assert {"BUILTIN_TEMPLATES", "PromptTemplate", "TemplateError", "load_template", "R1_ZERO_PROMPT"} <= set(prompts.__all__)
+    assert data.load_template is from_module and TASKS == {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+    assert issubclass(ArithmeticTask, Task) and issubclass(CountdownTask, Task)
+    assert data.get_task("countdown", seed=1).examples("test", 2) == tasks.get_task("countdown", seed=1).examples("test", 2)

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpolab.algorithms.config import ConfigError
-from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient, train_grpo
-from grpolab.algorithms.toolkit import read_metrics
+from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient, make_rollout_batch, train_grpo
+from grpolab.algorithms.metrics import read_metrics
 from grpolab.core import build_sequences, normalize_group_rewards
 from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import HFRolloutBackend, SamplingParams
@@ -43,7 +43,7 @@ def small_cfg(tmp_path, **kw):
 def test_learns_a_trivially_learnable_reward(tmp_path):
     cfg = small_cfg(tmp_path, n_grpo_steps=25, rollout_batch_size=64, group_size=8, train_batch_size=64,
                     gradient_accumulation_steps=1, sampling_max_tokens=3, learning_rate=1e-2,
-                    reward="tests.test_grpo:starts_with_7", seed=1)
+                    reward="tests.reward_fixtures:starts_with_7", seed=1)
     result = train_grpo(cfg)
     rewards = [r["train/reward"] for r in read_metrics(result.metrics_path) if "train/reward" in r]
     assert len(rewards) == 25
@@ -99,28 +99,25 @@ def _rollout_batch(group_size=4, n_prompts=4, seed=0):
     rollouts = backend.generate(prompts, group_size, SamplingParams(max_tokens=12, min_tokens=1, seed=seed))
     raw = torch.tensor([float(len(r.response_ids) % 3 == 0) for r in rollouts])
     raw[:group_size] = 1.0  # one zero-variance group
-    batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], tok.pad_token_id)
-    batch["advantages"] = normalize_group_rewards(raw, group_size, 1e-6, True).unsqueeze(1)
-    batch["raw_rewards"] = raw.unsqueeze(1)
-    batch["pad_id"] = tok.pad_token_id
-    sequences = [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts]
-    return model, batch, sequences
+    batch = make_rollout_batch(rollouts, raw, normalize_group_rewards(raw, group_size, 1e-6, True), tok.pad_token_id)
+    return model, batch, True
 
 
-def _grad(model, batch, cfg, contributes, sequences=None):
+def _grad(model, batch, cfg, contributes, shared=False):
+    """The gradient of one optimizer batch over every row; ``shared``: each prompt run once."""
     model.zero_grad(set_to_none=True)
     from contextlib import nullcontext
 
-    n = batch["labels"].shape[0]
-    accumulate_policy_gradient(model, batch, list(range(n)), cfg, contributes, 0.0, torch.device("cpu"),
-                               nullcontext, float(cfg.sampling_max_tokens), sequences=sequences)
+    n = batch.labels.shape[0]
+    cfg = cfg.model_copy(update={"share_prompt_prefix": bool(shared)})
+    accumulate_policy_gradient(model, batch, list(range(n)), cfg, contributes, 0.0, torch.device("cpu"), nullcontext)
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("mode", ["masked_mean", "masked_normalize", "token_mean"])
 def test_dynamic_microbatching_and_skipping_leave_the_gradient_unchanged(tmp_path, mode):
     model, batch, sequences = _rollout_batch()
-    n = batch["labels"].shape[0]
+    n = batch.labels.shape[0]
     fixed = small_cfg(tmp_path, rollout_batch_size=n, train_batch_size=n, gradient_accumulation_steps=4,
                       length_normalization=mode, skip_zero_advantage=False)
     all_rows = torch.ones(n, dtype=torch.bool)
@@ -130,7 +127,7 @@ def test_dynamic_microbatching_and_skipping_leave_the_gradient_unchanged(tmp_pat
     assert torch.allclose(_grad(model, batch, dynamic, all_rows), reference, atol=1e-6)
     one_big = fixed.model_copy(update={"gradient_accumulation_steps": 1})
     assert torch.allclose(_grad(model, batch, one_big, all_rows), reference, atol=1e-6)
-    skip = batch["advantages"].squeeze(1) != 0
+    skip = batch.advantages != 0
     assert not skip.all()
     assert torch.allclose(_grad(model, batch, dynamic, skip), reference, atol=1e-6)
     # each prompt computed once for its group: the same gradient
@@ -141,16 +138,16 @@ def test_dynamic_microbatching_and_skipping_leave_the_gradient_unchanged(tmp_pat
 
 def test_empty_response_never_reaches_the_loss_as_nan(tmp_path):
     model, batch, _ = _rollout_batch()
-    n = batch["labels"].shape[0]
-    batch["response_mask"][1] = False  # row 1 as if the response were empty
+    n = batch.labels.shape[0]
+    batch.response_mask[1] = False  # row 1 as if the response were empty
     cfg = small_cfg(tmp_path, rollout_batch_size=n, train_batch_size=n, gradient_accumulation_steps=2)
-    contributes = batch["response_mask"].any(1)
+    contributes = batch.response_mask.any(1)
     g = _grad(model, batch, cfg, contributes)
     assert torch.isfinite(g).all()
 
 
 def test_zero_variance_everywhere_gives_zero_update_and_a_diagnosis(tmp_path, capsys):
-    cfg = small_cfg(tmp_path, n_grpo_steps=3, health_window=2, reward="tests.test_grpo:always_zero")
+    cfg = small_cfg(tmp_path, n_grpo_steps=3, health_window=2, reward="tests.reward_fixtures:always_zero")
     model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = train_grpo(cfg, model=model, tokenizer=tok)

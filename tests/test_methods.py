@@ -14,16 +14,9 @@ from grpolab.algorithms.ppo import (
     ppo_minibatch_step,
     train_ppo,
 )
-from grpolab.algorithms.toolkit import make_optimizer, read_metrics
+from grpolab.algorithms.metrics import read_metrics
+from grpolab.algorithms.optimization import make_optimizer
 from grpolab.core import build_sequences, compute_dpo_loss, tokenize_prompt_and_output
-from grpolab.eval.metrics import (
-    consistency,
-    distinct_n,
-    maj_at_k,
-    mean_distinct_answers,
-    pass_at_k,
-    perplexity,
-)
 from grpolab.models import load_model_and_tokenizer
 
 SMALL = dict(sampling_max_tokens=12, sampling_min_tokens=1, eval_examples=4, show_progress=False, device="cpu",
@@ -31,55 +24,6 @@ SMALL = dict(sampling_max_tokens=12, sampling_min_tokens=1, eval_examples=4, sho
 
 
 # ---------------------------------------------------------------- metrics
-def test_pass_at_k_matches_closed_form():
-    for n, c, k in [(10, 3, 1), (10, 3, 5), (5, 0, 2), (5, 5, 3), (8, 2, 8)]:
-        expected = 1 - math.comb(n - c, k) / math.comb(n, k)
-        assert pass_at_k(n, c, k) == pytest.approx(expected)
-    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
-    with pytest.raises(ValueError):
-        pass_at_k(3, 4, 1)
-
-
-def test_majority_consistency_and_diversity_by_hand():
-    answers = ["5", "5", "6", None]
-    assert consistency(answers) == 0.5
-    assert maj_at_k(answers, [True, True, False, False]) == 1.0
-    assert maj_at_k(answers, [False, False, True, False]) == 0.0
-    assert consistency([None, None]) == 0.0
-    assert mean_distinct_answers([["5", "5", "6"], ["1", None]]) == 1.5
-    assert distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
-    assert distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)
-    assert distinct_n([[1]], 2) == 0.0
-
-
-class _Uniform(torch.nn.Module):
-    def __init__(self, vocab):
-        super().__init__()
-        self.vocab = vocab
-        self.p = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, ids):
-        return type("O", (), {"logits": torch.zeros(*ids.shape, self.vocab)})()
-
-
-def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
-    ids = torch.randint(0, 37, (1000,)).tolist()
-    assert perplexity(_Uniform(37), ids, max_length=64, stride=16) == pytest.approx(37.0, rel=1e-4)
-
-
-def test_strided_perplexity_counts_every_token_once():
-    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
-    ids = tok("Q: 1+2\nA: <think>1+2=3</think> <answer>3</answer>" * 4, add_special_tokens=False)["input_ids"]
-    full = perplexity(model, ids, max_length=len(ids), stride=len(ids))
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1]
-    direct = math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
-    assert full == pytest.approx(direct, rel=1e-5)
-    strided = perplexity(model, ids, max_length=32, stride=8)
-    assert strided > 1 and math.isfinite(strided)
-
-
-# ---------------------------------------------------------------- PPO
 def test_ppo_value_loss_falls_on_a_fixed_batch():
     model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
     policy = PolicyWithValue(model)
@@ -170,7 +114,7 @@ def test_dpo_on_a_preference_file(tmp_path):
 # ---------------------------------------------------------------- expert iteration
 def test_expert_iteration_filters_and_trains(tmp_path):
     cfg = EIConfig(n_ei_steps=2, ei_batch_size=8, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
-                   learning_rate=1e-3, run_dir=str(tmp_path / "ei"), reward="tests.test_methods:reward_any_digit", **SMALL)
+                   learning_rate=1e-3, run_dir=str(tmp_path / "ei"), reward="tests.reward_fixtures:reward_any_digit", **SMALL)
     result = train_expert_iteration(cfg)
     assert len(result.filtered_sizes) == 2 and all(0 <= s <= 32 for s in result.filtered_sizes)
     records = [r for r in read_metrics(result.metrics_path) if "ei/filtered_size" in r]

@@ -7,7 +7,7 @@ import torch
 
 from grpolab.algorithms.config import ConfigError
 from grpolab.algorithms.sft import SFTConfig, train_sft
-from grpolab.algorithms.toolkit import read_metrics
+from grpolab.algorithms.metrics import read_metrics
 
 
 def cfg(tmp_path, **kw):

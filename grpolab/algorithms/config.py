@@ -3,8 +3,9 @@ one-line errors naming the key."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -115,6 +116,17 @@ class RunConfig(BaseConfig):
     device: str = "auto"
     seed: int = 0
     show_progress: bool = True
+    deterministic: bool = False
+    disable_dropout: bool = True  # dropout off in every forward (TRL's convention): ratios and KLs stay exact
+    trust_remote_code: bool = False  # let a model directory run its own Python code (opt-in)
+    # --- the run directory: validation, checkpoints, metrics
+    run_dir: str = "runs/run"
+    eval_every: int = Field(0, ge=0)  # outer steps between validations (0: only at the end)
+    checkpoint_every: int = Field(0, ge=0)  # outer steps between checkpoints (0: only the final model)
+    keep_last: int = Field(2, ge=1)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+
+    command: ClassVar[str] = "train"  # the CLI command that runs this config (for messages)
 
     @model_validator(mode="after")
     def _check_data(self):
@@ -140,13 +152,28 @@ class SampledRunConfig(RunConfig):
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
     eval_examples: int = Field(200, ge=1)
     eval_temperature: float = Field(1.0, ge=0)  # CS336 evaluates by sampling at temperature 1
+    log_generations_samples: int = Field(8, ge=0)
+    # --- rewards run guarded: a timeout, an exception or a NaN scores 0 and is counted
+    reward_timeout_s: float = Field(10.0, ge=0)
+    reward_workers: int = Field(0, ge=0)
+    rollout_max_batch_size: int = Field(256, ge=1)  # rows sampled at once, whatever group_size is
 
     @model_validator(mode="after")
     def _check_sampling(self):
         if self.sampling_min_tokens > self.sampling_max_tokens:
             raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens "
                              f"({self.sampling_max_tokens})")
+        if self.sampling_temperature == 0 and getattr(self, "group_size", 1) > 1:
+            raise ValueError(f"sampling_temperature 0 (greedy) with group_size {self.group_size}: every response of a "
+                             "group would be identical, so every advantage is 0; sample at a temperature > 0 "
+                             "(greedy is fine for evaluation: eval_temperature 0)")
         return self
+
+    @property
+    def policy_temperature(self) -> float:
+        """The temperature of the policy being optimised: log-probs are of softmax(logits / T), the
+        distribution the sampler draws from (TRL/veRL). Greedy sampling (T = 0) scores at T = 1."""
+        return self.sampling_temperature or 1.0
 
     def sampling_params(self):
         """Rollout sampling (no seed of its own: the trainer's generator carries the state)."""
@@ -162,3 +189,80 @@ class SampledRunConfig(RunConfig):
 
         return SamplingParams(temperature=self.eval_temperature, max_tokens=self.sampling_max_tokens,
                               min_tokens=self.sampling_min_tokens, stop=list(self.stop), seed=self.seed + 1)
+
+
+# Fields that may change when a run is resumed: its length and how it is watched. Everything else
+# is the run's own config, and changing it on resume would silently continue a different run.
+RESUME_MAY_CHANGE = (
+    "n_grpo_steps", "n_ppo_steps", "n_sft_steps", "n_dpo_steps", "n_ei_steps", "eval_every", "eval_examples",
+    "checkpoint_every", "keep_last", "report_to", "show_progress", "log_generations_samples", "run_dir", "device",
+)
+
+
+@dataclass
+class ResumeChanges:
+    allowed: dict[str, tuple[Any, Any]]
+    refused_fields: dict[str, tuple[Any, Any]]
+    allowed_keys: tuple[str, ...] = RESUME_MAY_CHANGE
+
+    @property
+    def refused(self) -> str:
+        """A one-line diff of the refused changes (empty when none): ``key: old -> new; ...``."""
+        return "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in self.refused_fields.items())
+
+
+def resume_changes(saved: dict[str, Any], new: dict[str, Any]) -> ResumeChanges:
+    """Which fields differ between a run's saved config and the one it is resumed with."""
+    allowed, refused = {}, {}
+    for key in sorted(set(saved) | set(new)):
+        old, value = saved.get(key), new.get(key)
+        if old != value and not (isinstance(old, (list, tuple)) and list(old) == list(value or [])):
+            (allowed if key in RESUME_MAY_CHANGE else refused)[key] = (old, value)
+    return ResumeChanges(allowed, refused)
+
+
+class PolicyUpdateConfig(SampledRunConfig):
+    """What GRPO and PPO share: rollout and optimizer batches, the clipped update, the KL to a frozen
+    reference with its controller, and the KL early stop. Each method sets its own defaults."""
+
+    rollout_batch_size: int = Field(256, ge=1)
+    group_size: int = Field(8, ge=1)  # responses per question
+    train_batch_size: int = Field(256, ge=1)  # optimizer batch; < rollout_batch_size is off-policy
+    gradient_accumulation_steps: int = Field(1, ge=1)  # micro-batch = train_batch_size / this
+    learning_rate: float = Field(1e-5, gt=0)
+    cliprange: float = Field(0.2, gt=0)
+    whiten_advantages: bool = False
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up, capped at 10 % of the optimizer steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    # KL to a frozen reference. kl_coef 0 means no KL anywhere: no reference model is loaded and the
+    # adaptive controller stays off. Otherwise kl_adaptive moves the coefficient toward kl_target
+    # (Ziegler et al.), within [kl_coef_min, kl_coef_max].
+    kl_coef: float = Field(0.0, ge=0)
+    kl_adaptive: bool = False
+    kl_target: float = Field(0.1, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_coef_min: float = Field(0.1, ge=0)
+    kl_coef_max: float = Field(0.3, ge=0)
+    # KL early stop: before each optimizer step the approx KL(old || current) of its batch is
+    # measured; if it exceeds kl_stop, that step is not applied and the rollout batch's remaining
+    # updates are skipped (as Stable-Baselines3 and OpenAI's PPO do).
+    kl_stop: float | None = Field(0.3, gt=0)
+
+    @model_validator(mode="after")
+    def _check_batches(self):
+        if self.rollout_batch_size % self.group_size:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by group_size ({self.group_size})")
+        if self.rollout_batch_size % self.train_batch_size:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size ({self.train_batch_size})")
+        if self.kl_coef_min > self.kl_coef_max:
+            raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
+        return self
+
+    def kl_controller(self):
+        """The KL coefficient's controller: fixed (0 when kl_coef is 0), or adaptive."""
+        from ..core import AdaptiveKLController, FixedKLController
+
+        if self.kl_adaptive and self.kl_coef > 0:
+            return AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.kl_coef_min, self.kl_coef_max)
+        return FixedKLController(self.kl_coef)

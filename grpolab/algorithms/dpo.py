@@ -10,29 +10,18 @@ preferred to a wrong one), and reports preference accuracy on held-out pairs.
 
 from __future__ import annotations
 
-import copy
-import random
-import time
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from ..core import compute_dpo_loss, sum_response_log_probs
-from ..data import PreferencePair, get_task, load_preferences, load_template
-from ..models import save_model_and_tokenizer
+from ..data import PreferencePair
+from .batching import ExampleSampler
 from .config import RunConfig
-from .toolkit import (
-    ExampleSampler,
-    MetricsLogger,
-    TrainResult,
-    effective_warmup,
-    make_optimizer,
-    make_scheduler,
-    optimizer_step,
-    progress,
-    start_run,
-)
+from .inputs import load_preference_inputs
+from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .run import Run, TrainResult, frozen_copy
 
 ALPACA_TEMPLATE = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
@@ -53,6 +42,7 @@ def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: st
 
 
 class DPOConfig(RunConfig):
+    command = "dpo"
     task_train_size: int = Field(1000, ge=1)
     use_alpaca_template: bool = False  # wrap prompts in the Alpaca template (CS336 supplement)
     beta: float = Field(0.1, gt=0)
@@ -62,34 +52,8 @@ class DPOConfig(RunConfig):
     gradient_accumulation_steps: int = Field(1, ge=1)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    eval_every: int = Field(0, ge=0)
     eval_pairs: int = Field(200, ge=1)
     run_dir: str = "runs/dpo"
-
-
-def task_preference_pairs(task_name: str, split: str, n: int, seed: int, options: dict, template) -> list[PreferencePair]:
-    """(prompt, a correct worked solution, the same solution with a wrong final answer) for ``n``
-    questions of an embedded task's split."""
-    task = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0})
-    rng = random.Random(f"pairs:{seed}:{split}")
-    return [PreferencePair(template.format(e.question), e.solution, task.wrong_solution(e, rng))
-            for e in task.examples(split, n)]
-
-
-def _pairs(cfg: DPOConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    if cfg.task is not None:
-        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
-        template = load_template(cfg.prompt_template or task.default_template)
-        train = task_preference_pairs(cfg.task, "train", cfg.task_train_size, cfg.seed, cfg.task_options, template)
-        held = task_preference_pairs(cfg.task, "validation", cfg.eval_pairs, cfg.seed, cfg.task_options, template)
-        return train, held
-    pairs = list(load_preferences(cfg.train_data))
-    if cfg.eval_data:
-        return pairs, list(load_preferences(cfg.eval_data))[: cfg.eval_pairs]
-    rng = random.Random(cfg.seed)
-    rng.shuffle(pairs)
-    n_held = max(1, len(pairs) // 10)
-    return pairs[n_held:], pairs[:n_held][: cfg.eval_pairs]
 
 
 def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,49 +85,55 @@ def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batc
             "reward_margin": float(torch.cat(margins).mean())}
 
 
-def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None) -> TrainResult:
-    wall = time.perf_counter()
-    run, _, _, device, model, tokenizer = start_run(cfg, model=model, tokenizer=tokenizer)
-    ref = (ref_model or copy.deepcopy(model)).to(device).eval().requires_grad_(False)
-    train, held = _pairs(cfg)
+def dpo_gradient(model, ref, tokenizer, pairs: list[PreferencePair], cfg: DPOConfig, device) -> tuple[float, int]:
+    """Forward/backward one optimizer batch of preference pairs in micro-batches; returns the mean
+    DPO loss and the number of pairs whose implicit reward margin is positive."""
+    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
+    total, acc = 0.0, 0
+    for m in range(cfg.gradient_accumulation_steps):
+        chunk = pairs[m * micro : (m + 1) * micro]
+        c, r = _batch_logps(model, tokenizer, chunk, cfg.use_alpaca_template, device)
+        with torch.no_grad():
+            rc, rr = _batch_logps(ref, tokenizer, chunk, cfg.use_alpaca_template, device)
+        losses = compute_dpo_loss(c, r, rc, rr, cfg.beta)
+        (losses.mean() / cfg.gradient_accumulation_steps).backward()
+        total += float(losses.detach().mean()) / cfg.gradient_accumulation_steps
+        acc += int(((c - rc) - (r - rr) > 0).sum())
+    return total, acc
+
+
+def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, resume: bool = False,
+              overwrite: bool = False) -> TrainResult:
+    train, held = load_preference_inputs(cfg)
     if not train:
         raise ValueError("no training pairs")
-    logger = MetricsLogger(run.metrics_path)
-    optimizer = make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay)
-    scheduler = make_scheduler(optimizer, effective_warmup(cfg.warmup_steps, cfg.n_dpo_steps), cfg.n_dpo_steps, cfg.lr_schedule)
-    sampler = ExampleSampler(len(train), cfg.seed)
+    with Run(cfg, step_key="dpo_step", total_steps=cfg.n_dpo_steps, resume=resume, overwrite=overwrite,
+             model=model, tokenizer=tokenizer, desc="DPO") as run:
+        model, tokenizer = run.model, run.tokenizer
+        ref = run.track("reference_model", (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device))
+        optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
+        scheduler = run.track("scheduler", make_scheduler(
+            optimizer, effective_warmup(cfg.warmup_steps, cfg.n_dpo_steps), cfg.n_dpo_steps, cfg.lr_schedule))
+        sampler = run.track("data", ExampleSampler(len(train), cfg.seed))
 
-    def held_out(step: int) -> dict[str, float]:
-        model.eval()
-        m = preference_accuracy(model, ref, tokenizer, held, cfg.beta, cfg.use_alpaca_template, device)
-        model.train()
-        logger.log({"eval_step": step, **{f"eval/{k}": v for k, v in m.items()}})
-        return m
+        def held_out(step: int) -> dict[str, float]:
+            model.eval()
+            try:
+                return run.validate(step, lambda: preference_accuracy(model, ref, tokenizer, held, cfg.beta,
+                                                                      cfg.use_alpaca_template, run.device))
+            finally:
+                model.train()
 
-    before = held_out(0)
-    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
-    bar = progress(cfg.n_dpo_steps, "DPO", cfg.show_progress)
-    for step in range(cfg.n_dpo_steps):
-        idx = sampler.next(cfg.train_batch_size)
-        total, acc = 0.0, 0
-        for m in range(cfg.gradient_accumulation_steps):
-            chunk = [train[i] for i in idx[m * micro : (m + 1) * micro]]
-            c, r = _batch_logps(model, tokenizer, chunk, cfg.use_alpaca_template, device)
-            with torch.no_grad():
-                rc, rr = _batch_logps(ref, tokenizer, chunk, cfg.use_alpaca_template, device)
-            losses = compute_dpo_loss(c, r, rc, rr, cfg.beta)
-            (losses.mean() / cfg.gradient_accumulation_steps).backward()
-            total += float(losses.detach().mean()) / cfg.gradient_accumulation_steps
-            acc += int(((c - rc) - (r - rr) > 0).sum())
-        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.max_grad_norm)
-        logger.log({"train_step": step, "train/dpo_loss": total, "train/preference_accuracy": acc / cfg.train_batch_size,
-                    "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]})
-        bar.set_postfix(loss=f"{total:.4f}")
-        bar.update(1)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.n_dpo_steps:
-            held_out(step + 1)
-    bar.close()
-    after = held_out(cfg.n_dpo_steps)
-    save_model_and_tokenizer(model, tokenizer, run.final)
-    logger.close()
-    return TrainResult(run.path, run.final, run.metrics_path, after, time.perf_counter() - wall, before=before)
+        before = held_out(0) if not run.resuming else None
+        for step in run.steps():
+            total, acc = dpo_gradient(model, ref, tokenizer, [train[i] for i in sampler.next(cfg.train_batch_size)],
+                                      cfg, run.device)
+            result = run.optimizer_step(optimizer, scheduler, total)
+            run.log({"train_step": step, "train/dpo_loss": total, "train/preference_accuracy": acc / cfg.train_batch_size,
+                     "train/grad_norm": result.grad_norm, "train/lr": current_lr(optimizer),
+                     "health/nonfinite_steps": run.nonfinite_steps})
+            run.train_step = step + 1
+            run.bar.set_postfix(loss=f"{total:.4f}")
+            run.end_step(step + 1, held_out)
+        after = held_out(cfg.n_dpo_steps)
+        return run.finish(after, before=before)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 class UnhealthyRunError(RuntimeError):
     pass
@@ -70,3 +72,28 @@ class HealthMonitor:
         if messages and self.stop_on_unhealthy:
             raise UnhealthyRunError(" ".join(messages))
         return messages
+
+    def state_dict(self) -> dict:
+        """Streaks and what was reported survive a resume (the same diagnosis at the same step)."""
+        return {"streaks": dict(self._streaks), "reported": sorted(self.reported)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._streaks = {k: int(v) for k, v in state["streaks"].items()}
+        self.reported = set(state["reported"])
+
+
+def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: list[str], format_rewards: torch.Tensor,
+                   answer_rewards: torch.Tensor, sampler_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
+                   checked: torch.Tensor) -> dict[str, float]:
+    """A rollout batch's health figures: the share of zero-variance groups, the truncation rate,
+    the format-failure and wrong-answer rates, and the mean |sampler - trainer| log-prob on the
+    sampled tokens whose trainer log-prob is known (``checked``, (batch, seq))."""
+    grouped = raw_rewards.view(-1, group_size)
+    mismatch = (sampler_log_probs - trainer_log_probs).abs()[checked]
+    return {
+        "zero_variance_group_fraction": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        "truncation_rate": sum(r == "length" for r in finish_reasons) / len(finish_reasons),
+        "format_failure_rate": float(1 - format_rewards.mean()),
+        "wrong_answer_rate": float(((format_rewards > 0) & (answer_rewards <= 0)).float().mean()),
+        "logprob_mismatch": float(mismatch.mean()) if mismatch.numel() else 0.0,
+    }

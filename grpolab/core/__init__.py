@@ -1,17 +1,24 @@
 """grpolab.core: the tensor math of SFT, GRPO, PPO and DPO. Imports nothing but torch.
 
+This file only re-exports. Policy losses and advantage estimators are registered by name in
+``registry.py`` (config validators use ``policy_loss_names()`` / ``advantage_estimator_names()``).
+
 Names, parameters and semantics follow Stanford CS336 Assignment 5 where it defines them.
 """
 
 from .advantages import (
+    compute_advantages,
     compute_gae,
     compute_group_normalized_rewards,
+    grpo_advantages,
     normalize_group_rewards,
 )
 from .kl import (
     KL_ESTIMATORS,
+    KL_LOSS_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    check_kl_loss_estimator,
     kl_estimator,
     kl_k1,
     kl_k2,
@@ -35,6 +42,20 @@ from .losses import (
     compute_value_loss,
 )
 from .masking import masked_mean, masked_normalize, whiten
+from .registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageEstimator,
+    PolicyLoss,
+    advantage_estimator_names,
+    get_advantage_estimator,
+    get_policy_loss,
+    policy_loss_names,
+    register_advantage_estimator,
+    register_policy_loss,
+    unregister_advantage_estimator,
+    unregister_policy_loss,
+)
 from .train_steps import (
     LENGTH_NORMALIZATIONS,
     aggregate_token_loss,
@@ -43,13 +64,21 @@ from .train_steps import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "FixedKLController",
     "KL_ESTIMATORS",
+    "KL_LOSS_ESTIMATORS",
     "LENGTH_NORMALIZATIONS",
     "LOSS_TYPES",
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "advantage_estimator_names",
     "aggregate_token_loss",
     "build_sequences",
+    "check_kl_loss_estimator",
+    "compute_advantages",
     "compute_dpo_loss",
     "compute_entropy",
     "compute_gae",
@@ -58,7 +87,10 @@ __all__ = [
     "compute_naive_policy_gradient_loss",
     "compute_policy_gradient_loss",
     "compute_value_loss",
+    "get_advantage_estimator",
+    "get_policy_loss",
     "get_response_log_probs",
+    "grpo_advantages",
     "grpo_microbatch_train_step",
     "kl_estimator",
     "kl_k1",
@@ -69,8 +101,13 @@ __all__ = [
     "masked_normalize",
     "normalize_group_rewards",
     "pad_token_id",
+    "policy_loss_names",
+    "register_advantage_estimator",
+    "register_policy_loss",
     "sft_microbatch_train_step",
     "sum_response_log_probs",
     "tokenize_prompt_and_output",
+    "unregister_advantage_estimator",
+    "unregister_policy_loss",
     "whiten",
 ]

@@ -1,10 +1,16 @@
-"""Advantage estimators: group-normalised rewards (GRPO) and GAE (PPO)."""
+"""Advantage estimators: group-normalised rewards (GRPO) and GAE (PPO).
+
+Per-response estimators are registered by name (``registry.register_advantage_estimator``) and
+called through ``compute_advantages``; "grpo" is the group-normalised estimator.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .registry import get_advantage_estimator, register_advantage_estimator
 
 
 def compute_group_normalized_rewards(
@@ -50,15 +56,48 @@ def compute_group_normalized_rewards(
 def normalize_group_rewards(
     raw_rewards: torch.Tensor, group_size: int, advantage_eps: float, normalize_by_std: bool
 ) -> torch.Tensor:
-    """The tensor half of ``compute_group_normalized_rewards``: (N,) rewards -> (N,) advantages."""
+    """The tensor half of ``compute_group_normalized_rewards``: (N,) rewards -> (N,) advantages.
+
+    A group whose rewards are all equal (including a group of one) carries no signal: its
+    advantages are exactly 0 for any ``advantage_eps`` (also 0, where ``0 / 0`` would be NaN) and
+    with or without std normalisation.
+    """
     # Reduced in float64 so a group of near-equal rewards is not swamped by rounding; float32 out.
     grouped = raw_rewards.double().view(-1, group_size)
+    zero_variance = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_by_std:
-        # A group of one has no std (torch.std gives NaN); treat it as 0 so its advantage is 0.
+        # torch.std of a group of one is NaN (with a warning); such a group is zero-variance anyway.
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centered[:, :1])
-        centered = centered / (std + advantage_eps)
+        centered = centered / torch.where(zero_variance, torch.ones_like(std), std + advantage_eps)
+    centered = torch.where(zero_variance, torch.zeros_like(centered), centered)
     return centered.reshape(-1).to(torch.float32)
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(
+    raw_rewards: torch.Tensor,
+    group_size: int,
+    *,
+    advantage_eps: float = 1e-6,
+    use_std_normalization: bool = True,
+    **_: Any,
+) -> torch.Tensor:
+    """Registered estimator "grpo": group-normalised rewards (Shao et al. 2024 eq. 3; CS336 A5).
+
+    (N,) rewards -> (N,) float32 advantages; the defaults are CS336's. Options it does not use are
+    ignored (see ``registry.AdvantageEstimator``).
+    """
+    return normalize_group_rewards(raw_rewards, group_size, advantage_eps, use_std_normalization)
+
+
+def compute_advantages(estimator: str, raw_rewards: torch.Tensor, group_size: int, **options: Any) -> torch.Tensor:
+    """Advantages from the registered ``estimator`` ("grpo", ...): (N,) rewards -> (N,) or (N, seq).
+
+    ``options`` are the estimator's keywords, e.g. ``advantage_eps`` and ``use_std_normalization``
+    for "grpo". Unknown names raise ValueError listing the registered ones.
+    """
+    return get_advantage_estimator(estimator)(raw_rewards, group_size, **options)
 
 
 def compute_gae(

@@ -1,4 +1,27 @@
-"""KL estimators (Schulman, "Approximating KL divergence", 2020) and KL coefficient controllers."""
+"""KL estimators (Schulman, "Approximating KL divergence", 2020) and KL coefficient controllers.
+
+Each estimator maps per-token log-probs (batch, seq) of the policy pi and of the reference to a
+(batch, seq) estimate, with ``r = pi_ref(x) / pi(x)`` and ``x ~ pi`` (on-policy samples). Its
+*value* and, when it is added to the loss (GRPO eq. 3, ``loss += kl_coef * k``), its *gradient*
+estimate different things. For a loss term only ``log pi(x)`` is differentiated, never the
+sampling of ``x``, so ``E_pi[grad k(x)]`` is what the optimiser follows:
+
+- k1 = log(pi/ref): value unbiased for KL(pi||ref); as a loss its expected gradient is
+  ``E_pi[grad log pi] = 0``, so it regularises nothing. Use it as a reward penalty instead
+  (``reward - kl_coef * k1``, Ziegler et al. 2019), where it enters through the score function.
+- k2 = 0.5 * log(pi/ref)^2: value biased (>= 0, low variance); as a loss its expected gradient is
+  ``E_pi[log(pi/ref) grad log pi] = grad KL(pi||ref)``: the reverse KL that RLHF regularises.
+- k3 = (r - 1) - log r: value unbiased for KL(pi||ref) (>= 0, low variance); as a loss its
+  expected gradient is ``E_pi[(1 - r) grad log pi] = -sum_x ref(x) grad log pi(x) =
+  grad KL(ref||pi)``: the *forward* (mass-covering) KL, not the reverse KL its value estimates
+  (the two gradients agree only to first order near pi = ref).
+
+For sequences these hold per position given the prefix: the part of the sequence-level KL
+gradient that flows through which prefixes are visited is missing from every loss-term estimator
+(Tang & Munos 2025; Shah et al. 2025, "A Comedy of Estimators: On KL Regularization in RL Training
+of LLMs", arXiv:2512.21852). ``tests/test_core_kl.py`` checks the three identities exactly on a
+categorical distribution.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +29,35 @@ import torch
 
 
 def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k1 = log pi - log pi_ref: unbiased estimate of KL(pi || pi_ref) from samples of pi, high variance."""
+    """k1 = log pi - log pi_ref, (batch, seq): unbiased for KL(pi||ref), high variance, can be < 0.
+
+    As a loss term: zero expected gradient (E_pi[grad log pi] = 0); use it as a reward penalty.
+    """
     return log_probs - ref_log_probs
 
 
 def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k2 = 0.5 * (log pi - log pi_ref)^2: biased, low variance, always >= 0."""
+    """k2 = 0.5 * (log pi - log pi_ref)^2, (batch, seq): biased, low variance, always >= 0.
+
+    As a loss term: its expected gradient is grad KL(pi||ref), the reverse KL.
+    """
     return 0.5 * (log_probs - ref_log_probs) ** 2
 
 
 def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k3 = (rho - 1) - log rho with rho = pi_ref / pi: unbiased and >= 0 (the GRPO paper's KL term)."""
+    """k3 = (rho - 1) - log rho, rho = pi_ref / pi, (batch, seq): unbiased for KL(pi||ref), >= 0
+    (the GRPO paper's KL term, Shao et al. 2024 eq. 4).
+
+    As a loss term: its expected gradient is grad KL(ref||pi), the forward KL.
+    """
     log_rho = ref_log_probs - log_probs
     return torch.expm1(log_rho) - log_rho
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+# Estimators whose gradient regularises when added to the loss (k2: reverse KL, k3: forward KL).
+KL_LOSS_ESTIMATORS = ("k2", "k3")
 
 
 def kl_estimator(name: str):
@@ -29,7 +65,20 @@ def kl_estimator(name: str):
     try:
         return KL_ESTIMATORS[name]
     except KeyError:
-        raise ValueError(f"unknown KL estimator {name!r}; expected one of k1, k2, k3") from None
+        raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(KL_ESTIMATORS)}") from None
+
+
+def check_kl_loss_estimator(name: str) -> None:
+    """Raise ValueError unless ``name`` is a KL estimator that may be added to the loss.
+
+    ``k1`` may not: its expected gradient as a loss term is 0 (module docstring).
+    """
+    kl_estimator(name)
+    if name not in KL_LOSS_ESTIMATORS:
+        raise ValueError(
+            f"kl_estimator {name!r} has zero expected gradient as a loss term (E_pi[grad log pi] = 0), "
+            f"so it regularises nothing; use {' or '.join(KL_LOSS_ESTIMATORS)}, or apply {name} as a reward penalty"
+        )
 
 
 class FixedKLController:

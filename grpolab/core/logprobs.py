@@ -23,13 +23,30 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     return lse - (probs * logits).sum(dim=-1)
 
 
+def _check_temperature(temperature: float) -> float:
+    if not temperature > 0:  # also rejects NaN
+        raise ValueError(f"temperature must be > 0, got {temperature!r} (map greedy decoding, T=0, to 1.0)")
+    return float(temperature)
+
+
 def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of ``labels`` (B, T) under ``logits`` (B, T, V), and the per-position
-    entropy when asked (else None). One logsumexp serves both; the (B, T, V) log-softmax is never
-    materialised. bf16/fp16 logits are reduced in float32."""
+    """Log-probabilities of ``labels`` (batch, seq) under ``softmax(logits / temperature)``, logits
+    (batch, seq, vocab), and that distribution's per-position entropy when asked (else None).
+
+    ``temperature`` (> 0) is the sampler's: the policy being optimised is the tempered softmax
+    that drew the tokens (as TRL and veRL do). One logsumexp serves both outputs; the
+    (batch, seq, vocab) log-softmax is never materialised. bf16/fp16 logits are reduced in float32.
+    """
+    temperature = _check_temperature(temperature)
     logits = _upcast(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     label_logits = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
     log_probs = label_logits - lse
@@ -47,16 +64,20 @@ def get_response_log_probs(
     return_token_entropy: bool = False,
     *,
     attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Log-probabilities of ``labels`` under a causal LM (CS336 A5 ``get_response_log_probs``).
 
-    Returns ``{"log_probs": (B, T)}`` and, when asked, ``"token_entropy": (B, T)``. No masking and
-    no ``no_grad`` here: the caller decides. ``attention_mask`` (keyword-only, optional) is passed
-    to the model; right-padded batches do not need it for the non-pad positions.
+    Returns ``{"log_probs": (batch, seq)}`` and, when asked, ``"token_entropy": (batch, seq)``, both
+    of ``softmax(logits / temperature)`` (keyword-only, > 0; pass the sampling temperature so the
+    log-probs in ratios and KLs are of the distribution that drew the tokens). No masking and no
+    ``no_grad`` here: the caller decides. ``attention_mask`` (keyword-only, optional) is passed to
+    the model; right-padded batches do not need it for the non-pad positions.
     """
+    _check_temperature(temperature)  # before the forward pass
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     logits = model(input_ids, **kwargs).logits
-    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy)
+    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy, temperature=temperature)
     out = {"log_probs": log_probs}
     if return_token_entropy:
         out["token_entropy"] = entropy
@@ -79,13 +100,22 @@ def tokenize_prompt_and_output(
     return build_sequences(prompt_ids, output_ids, pad_token_id(tokenizer))
 
 
-def sum_response_log_probs(model: Any, tokenizer: Any, prompt_strs: list[str], output_strs: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example sum of the output tokens' log-probs given the prompt, and the output token
-    counts: ``(sums (B,), counts (B,))``. Gradients flow unless the caller disables them."""
+def sum_response_log_probs(
+    model: Any,
+    tokenizer: Any,
+    prompt_strs: list[str],
+    output_strs: list[str],
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example sum of the output tokens' log-probs given the prompt under
+    ``softmax(logits / temperature)``, and the output token counts: ``(sums (batch,), counts
+    (batch,))``. Gradients flow unless the caller disables them."""
     batch = tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
     device = next(model.parameters()).device
     mask = batch["response_mask"].to(device)
-    lp = get_response_log_probs(model, batch["input_ids"].to(device), batch["labels"].to(device))["log_probs"]
+    input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    lp = get_response_log_probs(model, input_ids, labels, temperature=temperature)["log_probs"]
     return (lp * mask).sum(-1), mask.sum(-1)
 
 

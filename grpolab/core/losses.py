@@ -1,10 +1,20 @@
-"""Per-token policy-gradient losses (CS336 A5 §7.2), PPO value loss, DPO loss."""
+"""Per-token policy-gradient losses (CS336 A5 §7.2), PPO value loss, DPO loss.
+
+The policy-gradient losses are registered by name (``registry.register_policy_loss``);
+``compute_policy_gradient_loss`` dispatches on ``loss_type`` through that registry.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .registry import get_policy_loss, register_policy_loss
+
+# The CS336 loss types, registered below in this order. New losses register themselves, so
+# validators should use ``policy_loss_names()``, which starts with these four.
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
 
 
@@ -48,6 +58,46 @@ def compute_grpo_clip_loss(
     return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
 
 
+def _require(loss_type: str, name: str, value):
+    if value is None:
+        raise ValueError(f"loss_type={loss_type!r} requires {name}")
+    return value
+
+
+@register_policy_loss("no_baseline")
+def _no_baseline_loss(policy_log_probs, *, raw_rewards=None, **_):
+    """CS336 ``no_baseline``: REINFORCE on the raw reward, ``-R * log pi`` per token."""
+    rewards = _require("no_baseline", "raw_rewards", raw_rewards)
+    return compute_naive_policy_gradient_loss(rewards, policy_log_probs), {}
+
+
+@register_policy_loss("reinforce_with_baseline")
+def _reinforce_with_baseline_loss(policy_log_probs, *, advantages=None, **_):
+    """CS336 ``reinforce_with_baseline``: ``-A * log pi`` per token with the group baseline."""
+    adv = _require("reinforce_with_baseline", "advantages", advantages)
+    return compute_naive_policy_gradient_loss(adv, policy_log_probs), {}
+
+
+@register_policy_loss("grpo_clip")
+def _grpo_clip_loss(policy_log_probs, *, advantages=None, old_log_probs=None, cliprange=None, cliprange_high=None, **_):
+    """CS336 ``grpo_clip``: ``compute_grpo_clip_loss`` (DAPO clip-higher via ``cliprange_high``)."""
+    return compute_grpo_clip_loss(
+        _require("grpo_clip", "advantages", advantages),
+        policy_log_probs,
+        _require("grpo_clip", "old_log_probs", old_log_probs),
+        _require("grpo_clip", "cliprange", cliprange),
+        cliprange_high=cliprange_high,
+    )
+
+
+@register_policy_loss("grpo_no_clip")
+def _grpo_no_clip_loss(policy_log_probs, *, advantages=None, old_log_probs=None, **_):
+    """CS336 §8 ``grpo_no_clip``: the unclipped importance-weighted loss ``-ratio * A`` per token."""
+    adv = _as_column(_require("grpo_no_clip", "advantages", advantages)).to(policy_log_probs.dtype)
+    ratio = torch.exp(policy_log_probs - _require("grpo_no_clip", "old_log_probs", old_log_probs))
+    return -ratio * adv, {"ratio": ratio.detach()}
+
+
 def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor,
     loss_type: str,
@@ -57,37 +107,27 @@ def compute_policy_gradient_loss(
     cliprange: float | None = None,
     *,
     cliprange_high: float | None = None,
+    **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch to the per-token loss for ``loss_type`` (CS336 A5 §7.2, plus ``grpo_no_clip`` of §8).
+    """Per-token loss of the registered ``loss_type`` (CS336 A5 §7.2, plus ``grpo_no_clip`` of §8).
 
     ``no_baseline`` uses ``raw_rewards``; ``reinforce_with_baseline`` uses ``advantages``;
     ``grpo_clip`` uses ``advantages``, ``old_log_probs`` and ``cliprange`` (``cliprange_high`` for
-    DAPO clip-higher); ``grpo_no_clip`` is the unclipped ratio loss ``-ratio * A``.
-    Returns ``(loss (B, T), metadata)``.
+    DAPO clip-higher); ``grpo_no_clip`` is the unclipped ratio loss ``-ratio * A``. Other names
+    come from ``register_policy_loss`` (see ``registry.PolicyLoss`` for the signature);
+    ``**options`` are passed on to the loss. Shapes: log-probs (batch, seq), rewards/advantages
+    (batch,) or (batch, 1). Returns ``(loss (batch, seq), metadata)``.
     """
-
-    def need(name: str, value):
-        if value is None:
-            raise ValueError(f"loss_type={loss_type!r} requires {name}")
-        return value
-
-    if loss_type == "no_baseline":
-        return compute_naive_policy_gradient_loss(need("raw_rewards", raw_rewards), policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(need("advantages", advantages), policy_log_probs), {}
-    if loss_type == "grpo_clip":
-        return compute_grpo_clip_loss(
-            need("advantages", advantages),
-            policy_log_probs,
-            need("old_log_probs", old_log_probs),
-            need("cliprange", cliprange),
-            cliprange_high=cliprange_high,
-        )
-    if loss_type == "grpo_no_clip":
-        adv = _as_column(need("advantages", advantages)).to(policy_log_probs.dtype)
-        ratio = torch.exp(policy_log_probs - need("old_log_probs", old_log_probs))
-        return -ratio * adv, {"ratio": ratio.detach()}
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    loss_fn = get_policy_loss(loss_type)
+    return loss_fn(
+        policy_log_probs,
+        raw_rewards=raw_rewards,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        cliprange=cliprange,
+        cliprange_high=cliprange_high,
+        **options,
+    )
 
 
 def compute_value_loss(

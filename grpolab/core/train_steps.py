@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kl import kl_estimator
+from .kl import check_kl_loss_estimator, kl_estimator
 from .losses import compute_policy_gradient_loss
 from .masking import masked_mean, masked_normalize
 
@@ -111,8 +111,14 @@ def grpo_microbatch_train_step(
     each sequence's tokens -> mean over the batch -> divided by ``gradient_accumulation_steps`` ->
     ``backward()`` once. Keyword-only extras: other length normalisations (module docstring),
     DAPO ``cliprange_high``, and a per-token KL penalty ``kl_coef * k(pi, pi_ref)`` added to the loss
-    (GRPO paper eq. 3) when ``ref_log_probs`` is given. Returns ``(scaled loss, metadata)``.
+    (GRPO paper eq. 3) when ``ref_log_probs`` is given. The estimator must be one of
+    ``KL_LOSS_ESTIMATORS`` when ``kl_coef > 0`` (k1 as a loss has zero expected gradient:
+    ValueError); with ``kl_coef == 0`` it is only measured (metadata ``kl``). The loss gets
+    ``response_mask`` as an option. Shapes: log-probs, mask (batch, seq); advantages (batch,) or
+    (batch, 1). Returns ``(scaled loss, metadata)``.
     """
+    if ref_log_probs is not None and kl_coef > 0:
+        check_kl_loss_estimator(kl_estimator_name)
     per_token, meta = compute_policy_gradient_loss(
         policy_log_probs,
         loss_type,
@@ -121,12 +127,12 @@ def grpo_microbatch_train_step(
         old_log_probs=old_log_probs,
         cliprange=cliprange,
         cliprange_high=cliprange_high,
+        response_mask=response_mask,
     )
     metadata: dict[str, torch.Tensor] = {}
     if ref_log_probs is not None:
         kl = kl_estimator(kl_estimator_name)(policy_log_probs, ref_log_probs)
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
+        per_token = per_token + kl_coef * kl if kl_coef else per_token
         metadata["kl"] = masked_mean(kl.detach(), response_mask)
     loss = aggregate_token_loss(
         per_token,
@@ -138,10 +144,16 @@ def grpo_microbatch_train_step(
         global_batch_size=global_batch_size,
     )
     loss.backward()
+    return loss.detach(), {**metadata, **_loss_metadata(meta, response_mask)}
+
+
+def _loss_metadata(meta: dict[str, torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Clip fraction and mean ratio over the response tokens, when the loss reports them."""
+    out: dict[str, torch.Tensor] = {}
     if "clipped" in meta:
-        metadata["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask)
-        metadata["clipped"] = meta["clipped"]
+        out["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask)
+        out["clipped"] = meta["clipped"]
     if "ratio" in meta:
-        metadata["ratio_mean"] = masked_mean(meta["ratio"], response_mask)
-    metadata["num_response_tokens"] = response_mask.sum()
-    return loss.detach(), metadata
+        out["ratio_mean"] = masked_mean(meta["ratio"], response_mask)
+    out["num_response_tokens"] = response_mask.sum()
+    return out

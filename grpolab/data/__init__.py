@@ -14,6 +14,8 @@ from .datasets import (
     load_math,
     load_preferences,
     load_sft_pairs,
+    read_jsonl_records,
+    require_field,
 )
 from .prompts import BUILTIN_TEMPLATES, PromptTemplate, TemplateError, load_template
 from .tasks import TASKS, ArithmeticTask, CountdownTask, get_task, split_of
@@ -22,5 +24,6 @@ __all__ = [
     "ArithmeticTask", "BUILTIN_TEMPLATES", "CountdownTask", "DataError", "Example", "Loaded",
     "PreferencePair", "PromptTemplate", "SFTPair", "TASKS", "TemplateError", "get_task",
     "gsm8k_final_answer", "load_examples", "load_gsm8k", "load_hf_dataset", "load_jsonl",
-    "load_math", "load_preferences", "load_sft_pairs", "load_template", "split_of",
+    "load_math", "load_preferences", "load_sft_pairs", "load_template", "read_jsonl_records", "require_field",
+    "split_of",
 ]

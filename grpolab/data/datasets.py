@@ -3,7 +3,11 @@ Hugging Face ``datasets`` names.
 
 Bad input never passes silently: an invalid JSON line, a missing or empty field, or a non-UTF-8
 byte raises ``DataError`` naming ``file:line`` and the problem; with ``on_error="skip"`` the line
-is skipped, counted in ``.skipped`` of the returned list, and reported in one warning.
+is skipped, counted in ``.skipped`` of the returned list, and reported in one warning. A missing
+file, a directory, or a file that yields no record at all is one ``DataError`` naming the path.
+
+Every record read from a file says where it came from, ``"path:line"``: ``Example.meta["source"]``,
+``SFTPair.source``, ``PreferencePair.source`` (embedded tasks use ``"task:NAME:split:index"``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class SFTPair:
     prompt: str
     response: str
     ground_truth: Any = None
+    source: str | None = None  # "path:line" when read from a file
 
 
 @dataclass
@@ -42,6 +47,7 @@ class PreferencePair:
     prompt: str
     chosen: str
     rejected: str
+    source: str | None = None  # "path:line" when read from a file
 
 
 class Loaded(list):
@@ -57,6 +63,8 @@ def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a data file")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -72,7 +80,9 @@ def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
                 yield lineno, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
 
-def _require(obj: Any, name: str) -> Any:
+def require_field(obj: Any, name: str) -> Any:
+    """``obj[name]`` of a JSON object; KeyError with the problem when ``obj`` is not an object or
+    the field is missing, null or blank (``read_jsonl_records`` turns it into ``file:line: problem``)."""
     if not isinstance(obj, dict):
         raise KeyError(f"line is a JSON {type(obj).__name__}, not an object")
     if name not in obj:
@@ -83,16 +93,39 @@ def _require(obj: Any, name: str) -> Any:
     return value
 
 
+_require = require_field  # the old private name, kept until every caller uses require_field
+
+
+def _stamp_source(record: Any, where: str) -> Any:
+    """Record ``where`` in ``record.meta["source"]`` or ``record.source`` when it has one and it is unset."""
+    if isinstance(getattr(record, "meta", None), dict):
+        record.meta.setdefault("source", where)
+    elif hasattr(record, "source") and record.source is None:
+        record.source = where
+    return record
+
+
+def _no_records_error(path: str | Path, skipped: list[str]) -> DataError:
+    if not skipped:
+        what = "is empty" if Path(path).stat().st_size == 0 else "has only blank lines"
+        return DataError(f"{path}: no examples (the file {what})")
+    first = skipped[0].removeprefix(f"{path}:")
+    n = len(skipped)
+    lines = "the 1 line was" if n == 1 else f"all {n} lines were"
+    return DataError(f"{path}: no examples ({lines} skipped: first problem at line {first})")
+
+
 def read_jsonl_records(path: str | Path, convert, on_error: str = "raise") -> Loaded:
     """Read ``path`` and map each object through ``convert(obj)``; ``convert`` raises KeyError or
-    ValueError with the problem. Errors name ``file:line``."""
+    ValueError with the problem. Errors name ``file:line``; a file that yields no record is an
+    error. A record with a ``meta`` dict or a ``source`` field is stamped with ``"path:line"``."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     out = Loaded()
     for lineno, obj, problem in _iter_jsonl(path):
         if problem is None:
             try:
-                out.append(convert(obj))
+                out.append(_stamp_source(convert(obj), f"{path}:{lineno}"))
                 continue
             except (KeyError, ValueError, TypeError) as exc:
                 problem = exc.args[0] if exc.args else str(exc)
@@ -100,6 +133,8 @@ def read_jsonl_records(path: str | Path, convert, on_error: str = "raise") -> Lo
         if on_error == "raise":
             raise DataError(where)
         out.skipped.append(where)
+    if not out:
+        raise _no_records_error(path, out.skipped)
     if out.skipped:
         warnings.warn(f"{path}: skipped {len(out.skipped)} malformed line(s); first: {out.skipped[0]}", stacklevel=2)
     return out
@@ -115,8 +150,8 @@ def load_jsonl(
     """Examples from a JSONL file with the named fields (answers kept as given: str, number or list)."""
 
     def convert(obj):
-        solution = _require(obj, solution_field) if solution_field else None
-        return Example(str(_require(obj, question_field)), _require(obj, answer_field), solution)
+        solution = require_field(obj, solution_field) if solution_field else None
+        return Example(str(require_field(obj, question_field)), require_field(obj, answer_field), solution)
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -141,10 +176,10 @@ def load_gsm8k(path: str | Path, on_error: str = "raise") -> Loaded:
     in R1-Zero form (``reasoning</think> <answer>N</answer>``)."""
 
     def convert(obj):
-        solution = str(_require(obj, "answer"))
+        solution = str(require_field(obj, "answer"))
         final = gsm8k_final_answer(solution)
         response = f"{gsm8k_reasoning(solution)}</think> <answer>{final}</answer>"
-        return Example(str(_require(obj, "question")), final, response)
+        return Example(str(require_field(obj, "question")), final, response)
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -163,10 +198,10 @@ def load_math(path: str | Path, question_field: str = "problem", solution_field:
     A record that already has an ``answer`` field keeps it."""
 
     def convert(obj):
-        solution = str(_require(obj, solution_field))
+        solution = str(require_field(obj, solution_field))
         answer = obj.get("answer") if isinstance(obj, dict) and obj.get("answer") not in (None, "") else last_boxed_answer(solution)
         response = f"{solution.strip()}</think> <answer>{answer}</answer>"
-        return Example(str(_require(obj, question_field)), answer, response)
+        return Example(str(require_field(obj, question_field)), answer, response)
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -176,7 +211,7 @@ def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_fiel
 
     def convert(obj):
         gt = obj.get("ground_truth") if isinstance(obj, dict) else None
-        return SFTPair(str(_require(obj, prompt_field)), str(_require(obj, response_field)), gt)
+        return SFTPair(str(require_field(obj, prompt_field)), str(require_field(obj, response_field)), gt)
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -185,7 +220,7 @@ def load_preferences(path: str | Path, on_error: str = "raise") -> Loaded:
     """Preference triples ``{"prompt", "chosen", "rejected"}``."""
 
     def convert(obj):
-        return PreferencePair(str(_require(obj, "prompt")), str(_require(obj, "chosen")), str(_require(obj, "rejected")))
+        return PreferencePair(str(require_field(obj, "prompt")), str(require_field(obj, "chosen")), str(require_field(obj, "rejected")))
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -217,14 +252,14 @@ def load_hf_dataset(
     for i, row in enumerate(ds):
         where = f"{name}[{split}]:{i}"
         try:
-            q, a = _require(row, question_field), _require(row, answer_field)
+            q, a = require_field(row, question_field), require_field(row, answer_field)
             if answer_format == "gsm8k":
                 a = gsm8k_final_answer(str(a))
             elif answer_format == "math_boxed":
                 a = last_boxed_answer(str(a))
         except (KeyError, ValueError) as exc:
             raise DataError(f"{where}: {exc.args[0]}") from None
-        out.append(Example(str(q), a))
+        out.append(Example(str(q), a, meta={"source": where}))
     return out
 
 

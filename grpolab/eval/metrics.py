@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
 
 import torch
+
+from ..rewards import is_equivalent
+from .mode import eval_mode
+
+Answer = Hashable | None
+Equal = Callable[[str, str], bool]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -19,29 +26,61 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def majority_answer(answers: Sequence[Hashable | None]) -> Hashable | None:
-    """The most common non-missing answer (ties: the first seen), or None."""
-    counts = Counter(a for a in answers if a is not None)
+def answer_classes(answers: Sequence[Answer], equal: Equal = is_equivalent) -> list[int | None]:
+    """One class id per answer, numbered in first-seen order: answers that ``equal`` judges the
+    same answer share an id (by default mathematical equivalence, the reward's own grader, so
+    ``"0.5"`` and ``"1/2"`` are one answer). A missing answer (None) has no class."""
+    reps: list[Answer] = []
+    seen: dict[Answer, int] = {}
+    out: list[int | None] = []
+    for a in answers:
+        if a is None:
+            out.append(None)
+            continue
+        if a not in seen:
+            cls = next((i for i, rep in enumerate(reps) if equal(a, rep)), None)
+            if cls is None:
+                reps.append(a)
+                cls = len(reps) - 1
+            seen[a] = cls
+        out.append(seen[a])
+    return out
+
+
+@dataclass(frozen=True)
+class Vote:
+    """Majority vote over one question's samples: ``maj`` (maj@k), ``consistency`` (share of the
+    samples in the majority answer) and ``distinct`` (number of distinct answers)."""
+
+    maj: float
+    consistency: float
+    distinct: int
+
+
+def majority_vote(answers: Sequence[Answer], correct: Sequence[bool], equal: Equal = is_equivalent) -> Vote:
+    """Self-consistency (Wang et al. 2023) with one grouping of the answers for every figure.
+
+    maj@k is the expected correctness of a uniformly random pick among the answers tied for the
+    majority: two answers tied and one right gives 0.5 (not whichever was seen first). An answer is
+    right when any of its samples was graded right. Missing answers never vote or agree."""
+    classes = answer_classes(answers, equal)
+    counts = Counter(c for c in classes if c is not None)
     if not counts:
-        return None
+        return Vote(0.0, 0.0, 0)
     best = max(counts.values())
-    return next(a for a in answers if a is not None and counts[a] == best)
+    top = [c for c, count in counts.items() if count == best]
+    right = {c for c, ok in zip(classes, correct) if ok and c is not None}
+    return Vote(sum(c in right for c in top) / len(top), best / len(answers), len(counts))
 
 
-def maj_at_k(answers: Sequence[Hashable | None], correct: Sequence[bool]) -> float:
-    """1.0 when the majority answer of the samples is a correct one (self-consistency, Wang et al. 2023)."""
-    top = majority_answer(answers)
-    if top is None:
-        return 0.0
-    return float(any(ok for a, ok in zip(answers, correct) if a == top))
+def maj_at_k(answers: Sequence[Answer], correct: Sequence[bool], equal: Equal = is_equivalent) -> float:
+    """maj@k of one question (see ``majority_vote``)."""
+    return majority_vote(answers, correct, equal).maj
 
 
-def consistency(answers: Sequence[Hashable | None]) -> float:
+def consistency(answers: Sequence[Answer], equal: Equal = is_equivalent) -> float:
     """Fraction of the samples that agree with the majority answer (a missing answer never agrees)."""
-    if not answers:
-        return 0.0
-    top = majority_answer(answers)
-    return sum(a == top for a in answers if a is not None) / len(answers) if top is not None else 0.0
+    return majority_vote(answers, [False] * len(answers), equal).consistency
 
 
 def distinct_n(texts: Sequence[Sequence[Hashable]], n: int) -> float:
@@ -51,34 +90,39 @@ def distinct_n(texts: Sequence[Sequence[Hashable]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def mean_distinct_answers(groups: Sequence[Sequence[Hashable | None]]) -> float:
-    """Mean number of distinct (non-missing) answers per question."""
-    return sum(len({a for a in g if a is not None}) for g in groups) / len(groups) if groups else 0.0
+def mean_distinct_answers(groups: Sequence[Sequence[Answer]], equal: Equal = is_equivalent) -> float:
+    """Mean number of distinct (non-missing, not equivalent) answers per question."""
+    return sum(len(set(answer_classes(g, equal)) - {None}) for g in groups) / len(groups) if groups else 0.0
 
 
-@torch.inference_mode()
+def check_perplexity_args(n_tokens: int, max_length: int, stride: int) -> None:
+    """The checks ``perplexity`` makes, callable before any expensive work."""
+    if stride < 1 or stride > max_length:
+        raise ValueError(f"need 1 <= stride <= max_length, got stride={stride}, max_length={max_length}")
+    if n_tokens < 2:
+        raise ValueError("perplexity needs at least two tokens")
+
+
 def perplexity(model, token_ids: Sequence[int], max_length: int = 512, stride: int = 256, device=None) -> float:
     """Perplexity of one token stream with a strided sliding window (the Hugging Face recipe): each
     window scores only its tokens not scored by the previous window, with up to ``max_length - stride``
-    tokens of context before them."""
-    if stride < 1 or stride > max_length:
-        raise ValueError(f"need 1 <= stride <= max_length, got stride={stride}, max_length={max_length}")
+    tokens of context before them. Dropout is off during the forwards (``eval_mode``)."""
     ids = torch.tensor(list(token_ids), dtype=torch.long)
-    if len(ids) < 2:
-        raise ValueError("perplexity needs at least two tokens")
+    check_perplexity_args(len(ids), max_length, stride)
     device = device or next(model.parameters()).device
     nll_sum, counted, prev_end = 0.0, 0, 0
-    for begin in range(0, len(ids), stride):
-        end = min(begin + max_length, len(ids))
-        window = ids[begin:end].to(device)[None]
-        logits = model(window).logits[0, :-1].float()
-        targets = window[0, 1:]
-        nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-        # positions end-1 .. of targets; only those past prev_end are new
-        first_new = max(prev_end - begin - 1, 0)
-        nll_sum += float(nll[first_new:].sum())
-        counted += len(nll) - first_new
-        prev_end = end
-        if end == len(ids):
-            break
+    with eval_mode(model):
+        for begin in range(0, len(ids), stride):
+            end = min(begin + max_length, len(ids))
+            window = ids[begin:end].to(device)[None]
+            logits = model(window).logits[0, :-1].float()
+            targets = window[0, 1:]
+            nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            # positions end-1 .. of targets; only those past prev_end are new
+            first_new = max(prev_end - begin - 1, 0)
+            nll_sum += float(nll[first_new:].sum())
+            counted += len(nll) - first_new
+            prev_end = end
+            if end == len(ids):
+                break
     return math.exp(nll_sum / counted)

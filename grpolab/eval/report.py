@@ -4,22 +4,24 @@ token entropy and lengths of a model on held-out questions, as JSON plus a reada
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..rewards import (
+    RewardScorer,
     extract_r1_zero_answer,
     last_boxed,
     last_number,
     normalize_answer,
 )
 from ..rollout import SamplingParams
-from . import evaluate, token_entropies
+from .evaluation import EvalResult, evaluate
+from .generations import token_entropies
 from .metrics import (
-    consistency,
+    check_perplexity_args,
     distinct_n,
-    maj_at_k,
-    mean_distinct_answers,
+    majority_vote,
     pass_at_k,
     perplexity,
 )
@@ -64,6 +66,44 @@ def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: 
     return tokenizer(text[:max_chars], add_special_tokens=False)["input_ids"]
 
 
+def check_eval_inputs(
+    k: int,
+    examples: Sequence,
+    source: str | None = None,
+    corpus_ids: Sequence[int] | None = None,
+    ppl_max_length: int = 512,
+    ppl_stride: int = 256,
+) -> None:
+    """The input errors of ``evaluate_model`` as one-line ValueErrors, before any sampling."""
+    if k < 1:
+        raise ValueError(f"--k (samples per question) must be at least 1, got {k}")
+    if not examples:
+        raise ValueError(f"no questions to evaluate in {source}" if source else "no questions to evaluate")
+    if corpus_ids is not None:
+        check_perplexity_args(len(corpus_ids), ppl_max_length, ppl_stride)
+
+
+def sample_metrics(result: EvalResult, keys: Sequence[str | None], questions: int, k: int) -> dict[str, float]:
+    """pass@k, pass@1, maj@k, consistency and diversity over ``k`` samples for each question;
+    maj@k, consistency and distinct answers share one grouping of the answers (by equivalence)."""
+    per_q: list[list[int]] = [[] for _ in range(questions)]
+    for i, r in enumerate(result.rollouts):
+        per_q[r.prompt_index].append(i)
+    correct = [s["reward"] >= 1.0 for s in result.scores]
+    votes = [majority_vote([keys[i] for i in idx], [correct[i] for i in idx]) for idx in per_q]
+    n_right = [sum(correct[i] for i in idx) for idx in per_q]
+    ids = [r.response_ids for r in result.rollouts]
+    return {
+        f"pass@{k}": sum(pass_at_k(k, c, k) for c in n_right) / questions,
+        "pass@1": sum(pass_at_k(k, c, 1) for c in n_right) / questions,
+        f"maj@{k}": sum(v.maj for v in votes) / questions,
+        "consistency": sum(v.consistency for v in votes) / questions,
+        "distinct_1": distinct_n(ids, 1),
+        "distinct_2": distinct_n(ids, 2),
+        "distinct_answers_per_question": sum(v.distinct for v in votes) / questions,
+    }
+
+
 def evaluate_model(
     model,
     tokenizer,
@@ -80,29 +120,23 @@ def evaluate_model(
     corpus_ids: Sequence[int] | None = None,
     ppl_max_length: int = 512,
     ppl_stride: int = 256,
+    *,
+    reward_timeout_s: float = 10.0,
+    scorer: RewardScorer | None = None,
+    source: str | None = None,
 ) -> tuple[dict[str, Any], list[dict]]:
-    """All figures for ``k`` samples per question. Returns (metrics, generations)."""
+    """All figures for ``k`` samples per question. Returns (metrics, generations).
+
+    Input errors (``k < 1``, no examples — ``source`` names where they came from — a corpus too
+    short for perplexity) raise ValueError before any sampling. Rewards are guarded (see
+    ``evaluate``); token entropy is of the sampling distribution (``temperature``)."""
+    check_eval_inputs(k, examples, source, corpus_ids, ppl_max_length, ppl_stride)
     sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=min_tokens, stop=list(stop), seed=seed)
-    result = evaluate(backend, examples, template, reward_fn, sampling, n=k)
-    per_q: list[list[int]] = [[] for _ in examples]
-    for i, r in enumerate(result.rollouts):
-        per_q[r.prompt_index].append(i)
+    result = evaluate(backend, examples, template, reward_fn, sampling, n=k, scorer=scorer,
+                      reward_timeout_s=reward_timeout_s)
     keys = [answer_key(r.response) for r in result.rollouts]
-    correct = [s["reward"] >= 1.0 for s in result.scores]
-    groups = [[keys[i] for i in idx] for idx in per_q]
-    m = dict(result.metrics)
-    m.update({
-        "k": k,
-        "questions": len(examples),
-        f"pass@{k}": sum(pass_at_k(k, sum(correct[i] for i in idx), k) for idx in per_q) / len(per_q),
-        "pass@1": sum(pass_at_k(k, sum(correct[i] for i in idx), 1) for idx in per_q) / len(per_q),
-        f"maj@{k}": sum(maj_at_k(g, [correct[i] for i in idx]) for g, idx in zip(groups, per_q)) / len(per_q),
-        "consistency": sum(consistency(g) for g in groups) / len(groups),
-        "distinct_1": distinct_n([r.response_ids for r in result.rollouts], 1),
-        "distinct_2": distinct_n([r.response_ids for r in result.rollouts], 2),
-        "distinct_answers_per_question": mean_distinct_answers(groups),
-    })
-    entropies = token_entropies(model, result.rollouts, tokenizer)
+    m = {**result.metrics, "k": k, "questions": len(examples), **sample_metrics(result, keys, len(examples), k)}
+    entropies = token_entropies(model, result.rollouts, tokenizer, temperature=temperature)
     m["token_entropy"] = sum(entropies) / max(1, len(entropies))
     if corpus_ids is not None:
         m["perplexity"] = perplexity(model, corpus_ids, ppl_max_length, ppl_stride)
@@ -119,8 +153,27 @@ def format_table(metrics: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def check_writable(out: Path) -> None:
+    """Make ``out`` a directory and prove a file can be written there, or raise
+    ``ValueError("cannot write to <out>: <reason>")``. Call it before sampling: a bad ``--out``
+    then fails in a second, not after the whole evaluation."""
+    out = Path(out)
+    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "it" if blocker == out else str(blocker)
+        raise ValueError(f"cannot write to {out}: {where} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write to {out}: {exc.strerror or exc}") from None
+
+
 def write_report(out_dir: Path, metrics: dict, generations: list[dict]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """``eval.json`` and ``generations.jsonl`` in ``out_dir`` (ValueError if it is not writable)."""
+    out_dir = Path(out_dir)
+    check_writable(out_dir)
     (out_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
     with open(out_dir / "generations.jsonl", "w", encoding="utf-8") as f:
         for g in generations:

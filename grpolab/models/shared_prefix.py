@@ -40,8 +40,10 @@ def shared_prefix_response_log_probs(
     pad_id: int,
     device,
     return_token_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Log-probs of each row's response tokens, in *response layout*: (R, Tr) with column ``j`` the
+    """Log-probs (of softmax(logits / ``temperature``)) of each row's response tokens, in *response layout*: (R, Tr) with column ``j`` the
     ``j``-th response token. ``prompt_ids`` holds the distinct prompts; ``prompt_of_row[r]``
     says which one row ``r`` continues. Returns ``log_probs``, ``response_mask`` (bool) and, when
     asked, ``token_entropy``."""
@@ -82,7 +84,7 @@ def shared_prefix_response_log_probs(
         logits = torch.cat([first_logits, rest], dim=1)
     else:
         logits = first_logits
-    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy)
+    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy, temperature=temperature)
     result = {"log_probs": log_probs, "response_mask": resp_mask}
     if return_token_entropy:
         result["token_entropy"] = entropy

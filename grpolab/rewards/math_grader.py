@@ -1,13 +1,15 @@
-"""Answer equivalence: fast exact-number path, string normalisation, then math-verify.
+"""Answer equivalence: fast exact-number path, matrices, string normalisation, then math-verify.
 
-``is_equivalent(pred, gold)`` first normalises both strings (the clean-ups math-verify lacks:
-``\\text{}`` and units, thousands separators, ``\\dfrac``/``\\tfrac``, ``$``, percent and degree
-signs, ``x = 5``, unicode minus, trailing period). Two plain numbers (integers, decimals,
-fractions) are compared exactly with ``fractions.Fraction`` in-process — this covers GSM8K and is
-thousands of answers per second. Anything else goes to ``math-verify`` in a persistent worker
-process with a hard timeout: a pathological answer (``9^{9^{9}}``) is killed, not waited for,
-and this works from any thread (math-verify's own ``signal.alarm`` timeout works only on the main
-thread, and cannot interrupt a long C-level big-integer operation anyway).
+``is_equivalent(pred, gold)`` first refuses hedged answers ("not 5", "5 or 6": a hedge word the
+reference lacks), then normalises both strings (``normalize.py``). Two plain numbers (integers,
+decimals, fractions, mixed numbers, ``1e3``, ``3 million``) are compared exactly with
+``fractions.Fraction`` in-process — this covers GSM8K and is thousands of answers per second.
+Two matrices (``pmatrix``/``bmatrix``/...) are equal when their shapes are and their entries are,
+in order (a transpose is wrong). A number with extra plain words ("18 apples") is refused unless
+it equals the reference verbatim — math-verify would drop the words — and so is an answer with
+a letter or word the reference cannot account for ("5m" against 5, "2\\pi apples" against
+2\\pi). Anything else goes to ``math-verify`` in a persistent worker process with a hard timeout:
+a pathological answer (``9^{9^{9}}``) is killed, not waited for, and this works from any thread.
 """
 
 from __future__ import annotations
@@ -16,72 +18,39 @@ import json
 import re
 import select
 import subprocess
-import sys
 import threading
-from fractions import Fraction
+from pathlib import Path
+
+from .isolation import child_command, child_sys_path
+from .normalize import foreign_words, hedge_words, is_number_with_words, normalize_answer, parse_number
 
 MAX_ANSWER_CHARS = 1000
 MAX_BRACE_DEPTH = 40
 DEFAULT_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 120.0
 
-_NUMBER = r"-?(?:\d+(?:\.\d*)?|\.\d+)"
-_NUM_RE = re.compile(rf"^{_NUMBER}$")
-_SLASH_FRAC_RE = re.compile(rf"^({_NUMBER})\s*/\s*({_NUMBER})$")
-_LATEX_FRAC_RE = re.compile(r"^(-?)\\frac(?:\{(-?\d+)\}|(\d))(?:\{(-?\d+)\}|(\d))$")
-_THOUSANDS_RE = re.compile(r"(?<![\d.])(-?\d{1,3}(?:,\d{3})+)(?![\d])")
-_TEXT_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|mathbf)\s*\{([^{}]*)\}")
-_UNIT_AFTER_NUMBER_RE = re.compile(rf"^({_NUMBER}(?:\s*/\s*{_NUMBER})?)\s+[A-Za-z][A-Za-z .]*$")
-_VAR_EQ_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?!=)")
-
-
-def normalize_answer(text: str) -> str:
-    """Canonical surface form of an answer string (see the module docstring)."""
-    s = str(text).strip()
-    s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u00a0", " ")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = s.replace("\\left", "").replace("\\right", "")
-    for space in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~"):
-        s = s.replace(space, " " if space != "\\!" else "")
-    s = s.replace("\\$", "").replace("$", "")
-    s = s.replace("\\%", "").replace("%", "")
-    s = re.sub(r"\^\s*\{?\\circ\}?", "", s).replace("°", "").replace("\\degree", "")
-    # \text{ cm} after a number is a unit; \text{...} alone keeps its content.
-    s = re.sub(r"(\d)\s*\\(?:text|mbox|mathrm)\s*\{[^{}]*\}\s*$", r"\1", s)
-    s = _TEXT_RE.sub(r"\1", s)
-    s = s.strip()
-    s = _VAR_EQ_RE.sub("", s, count=1)
-    s = s.strip().rstrip(".").strip()
-    s = s.replace("{,}", ",")
-    s = _THOUSANDS_RE.sub(lambda m: m.group(1).replace(",", ""), s)
-    unit = _UNIT_AFTER_NUMBER_RE.match(s)
-    if unit:
-        s = unit.group(1)
-    return s.strip()
+_MATRIX_RE = re.compile(
+    r"^[(\[]?\s*\\begin\{(pmatrix|bmatrix|Bmatrix|matrix|smallmatrix|array)\}(?:\{[^{}]*\})?"
+    r"(.*)\\end\{\1\}\s*[)\]]?$",
+    re.DOTALL,
+)
+_JUXTAPOSED_NUMBERS_RE = re.compile(r"[-+]?[\d./]+(?:\s+[-+]?[\d./]+)+")
 
 
-def parse_number(text: str) -> Fraction | None:
-    """A normalised answer as an exact ``Fraction`` when it is a plain number, else None."""
-    s = text.replace(" ", "")
-    if s.startswith("+"):
-        s = s[1:]
-    try:
-        if _NUM_RE.match(s):
-            return Fraction(s)
-        m = _SLASH_FRAC_RE.match(s)
-        if m:
-            den = Fraction(m.group(2))
-            return Fraction(m.group(1)) / den if den else None
-        m = _LATEX_FRAC_RE.match(s)
-        if m:
-            num = int(m.group(2) or m.group(3))
-            den = int(m.group(4) or m.group(5))
-            if den == 0:
-                return None
-            value = Fraction(num, den)
-            return -value if m.group(1) else value
-    except (ValueError, ZeroDivisionError):
+def parse_matrix(text: str) -> tuple[tuple[str, ...], ...] | None:
+    """Rows of entry strings of a ``\\begin{pmatrix}...\\end{pmatrix}`` (or ``bmatrix``, ``Bmatrix``,
+    ``matrix``, ``smallmatrix``, ``array``), or None. ``vmatrix`` is a determinant, not a matrix."""
+    m = _MATRIX_RE.match(text.strip())
+    if not m:
         return None
-    return None
+    body = m.group(2).replace("\\hline", "")
+    rows = [row.strip() for row in body.split("\\\\")]
+    while rows and not rows[-1]:
+        rows.pop()
+    cells = tuple(tuple(c.strip() for c in row.split("&")) for row in rows)
+    if not cells or len({len(r) for r in cells}) != 1 or any(not c for r in cells for c in r):
+        return None
+    return cells
 
 
 def _too_hostile(s: str) -> bool:
@@ -101,6 +70,9 @@ def is_equivalent(pred: str, gold: str, timeout: float = DEFAULT_TIMEOUT_S) -> b
     """True when ``pred`` and ``gold`` are the same mathematical answer."""
     if pred is None:
         return False
+    pred, gold = str(pred), str(gold)
+    if len(pred) > 20 * MAX_ANSWER_CHARS or hedge_words(pred) - hedge_words(gold):
+        return False
     p, g = normalize_answer(pred), normalize_answer(gold)
     if not p or not g or _too_hostile(p):
         return False
@@ -109,40 +81,25 @@ def is_equivalent(pred: str, gold: str, timeout: float = DEFAULT_TIMEOUT_S) -> b
     pn, gn = parse_number(p), parse_number(g)
     if pn is not None and gn is not None:
         return pn == gn
+    pm, gm = parse_matrix(p), parse_matrix(g)
+    if pm is not None and gm is not None:
+        if len(pm) != len(gm) or len(pm[0]) != len(gm[0]):
+            return False
+        return all(is_equivalent(pc, gc, timeout) for pr, gr in zip(pm, gm) for pc, gc in zip(pr, gr))
+    if is_number_with_words(p) or _JUXTAPOSED_NUMBERS_RE.fullmatch(p):
+        return False  # "18 apples", "7 8/4": math-verify would read a number out of them
+    if foreign_words(p, g):
+        return False  # "5m", "2\\pi apples" against 5, 2\\pi: math-verify reads some letters as units
     return _verifier().verify(g, p, timeout)
 
 
 # ---------------------------------------------------------------- math-verify in a worker process
-def _math_verify_equal(gold: str, pred: str) -> bool:
-    """math-verify's verdict without its signal-based timeouts (the caller bounds the time)."""
-    from math_verify import parse, verify
+class MathVerifyWorker:
+    """One math-verify child process (``mathverify_worker.py``, started isolated: see
+    ``isolation.py``). A call that passes its timeout kills and replaces the child. Independent of
+    the caller's ``__main__``, thread and working directory."""
 
-    try:
-        g = parse(f"${gold}$", parsing_timeout=None)
-        p = parse(f"${pred}$", parsing_timeout=None)
-        return bool(g) and bool(p) and bool(verify(g, p, timeout_seconds=None))
-    except Exception:
-        return False
-
-
-def _worker_loop() -> None:  # pragma: no cover - runs in the child process
-    """Child side: one JSON request per stdin line, one JSON verdict per stdout line."""
-    import logging
-
-    logging.disable(logging.WARNING)  # math-verify warns on every call without a timeout
-    _math_verify_equal("1", "1")  # import and warm up before saying ready
-    out = sys.stdout
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        gold, pred = json.loads(line)
-        out.write("1\n" if _math_verify_equal(gold, pred) else "0\n")
-        out.flush()
-
-
-class _MathVerifyWorker:
-    """One math-verify child process (``python -m grpolab.rewards.math_grader``). A call that passes
-    its timeout kills and replaces the child. Independent of the caller's ``__main__`` and thread."""
+    SCRIPT = Path(__file__).with_name("mathverify_worker.py")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -151,15 +108,17 @@ class _MathVerifyWorker:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "grpolab.rewards.math_grader"],
+            child_command(self.SCRIPT),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
             bufsize=1,
         )
+        self._proc.stdin.write(json.dumps(child_sys_path(cwd_last=False)) + "\n")
+        self._proc.stdin.flush()
         # the child imports sympy and math-verify before it answers: not part of any answer's time
-        if self._readline(120) != "ready":
+        if self._readline(STARTUP_TIMEOUT_S) != "ready":
             self._kill()
             raise RuntimeError("the math-verify worker process did not start (is math-verify installed?)")
 
@@ -176,7 +135,13 @@ class _MathVerifyWorker:
             self._proc.wait()
         self._proc = None
 
+    def close(self) -> None:
+        """Stop the child (a later ``verify`` starts a new one)."""
+        with self._lock:
+            self._kill()
+
     def verify(self, gold: str, pred: str, timeout: float) -> bool:
+        """math-verify's verdict on ``pred`` against ``gold``; False when it takes over ``timeout``."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
@@ -193,17 +158,21 @@ class _MathVerifyWorker:
             return False
 
 
-_WORKER: _MathVerifyWorker | None = None
+_WORKER: MathVerifyWorker | None = None
 _WORKER_LOCK = threading.Lock()
 
 
-def _verifier() -> _MathVerifyWorker:
+def _verifier() -> MathVerifyWorker:
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:
-            _WORKER = _MathVerifyWorker()
+            _WORKER = MathVerifyWorker()
         return _WORKER
 
 
-if __name__ == "__main__":  # pragma: no cover
-    _worker_loop()
+def shutdown_math_verify() -> None:
+    """Stop the shared math-verify child; the next comparison that needs it starts a fresh one
+    (in the then-current working directory: what the isolation test exercises)."""
+    with _WORKER_LOCK:
+        if _WORKER is not None:
+            _WORKER.close()

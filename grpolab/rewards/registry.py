@@ -1,11 +1,14 @@
-"""Reward lookup by name, custom ``package.module:function`` rewards, weighted sums, safe scoring."""
+"""Reward lookup by name, custom ``package.module:function`` rewards, weighted sums, and the
+reverse: the *spec* of a reward object, so that a worker process can rebuild it by importing it
+instead of unpickling a closure (``reward_spec``), and whether it is a built-in that is safe to
+run in the trainer's own process (``is_builtin_reward``)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import importlib
 import math
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -101,7 +104,56 @@ def build_reward(spec: Any) -> RewardFn:
     return get_reward_fn(spec)
 
 
-def _checked(scores: Any) -> dict[str, float]:
+def reward_spec(reward: Any) -> str | list[dict] | None:
+    """What ``build_reward`` needs to rebuild ``reward`` in another process, or None when it cannot
+    be named (a lambda, a closure, a callable object, a function of an unimportable ``__main__``).
+
+    A built-in is named by its registry name; a module-level function by ``module:function``; a
+    ``WeightedReward`` by its component dicts. The name is only returned when importing it gives
+    back this very object, so the worker runs what the caller handed over.
+    """
+    if isinstance(reward, str):
+        return reward
+    if isinstance(reward, WeightedReward):
+        parts = []
+        for comp in reward.components:
+            spec = reward_spec(comp.fn)
+            if spec is None or not isinstance(spec, str):
+                return None
+            parts.append({**asdict(comp), "fn": spec})
+        return parts
+    for name, fn in BUILTIN_REWARDS.items():
+        if reward is fn:
+            return name
+    module_name, qualname = getattr(reward, "__module__", None), getattr(reward, "__qualname__", "")
+    if not module_name or not isinstance(qualname, str) or not qualname.isidentifier():
+        return None  # "<lambda>", "f.<locals>.g", "Cls.method", a callable instance
+    module = sys.modules.get(module_name)
+    if module_name == "__main__":
+        main_spec = getattr(module, "__spec__", None)
+        if main_spec is None:  # a script run by path: a worker cannot import it
+            return None
+        module_name = main_spec.name  # "python -m pkg.train": importable as pkg.train
+    if module is None or getattr(module, qualname, None) is not reward:
+        return None
+    return f"{module_name}:{qualname}"
+
+
+def is_builtin_reward(reward: Any) -> bool:
+    """True for the built-in verifiers (and weighted sums of them): pure functions over bounded
+    inputs whose one slow step, math-verify, already runs in its own killable process. These are
+    scored in the trainer's process; anything else goes to the supervised worker."""
+    spec = reward_spec(reward)
+    if isinstance(spec, str):
+        return spec in BUILTIN_REWARDS
+    if isinstance(spec, list):
+        return all(part["fn"] in BUILTIN_REWARDS for part in spec)
+    return False
+
+
+def check_reward_output(scores: Any) -> dict[str, float]:
+    """A reward's output as ``{key: float}``; raises for a non-dict, a missing ``reward``, a
+    non-number, NaN or inf, so that the scorer counts it as an error instead of training on it."""
     if not isinstance(scores, dict) or "reward" not in scores:
         raise TypeError(f"reward function returned {type(scores).__name__}, not a dict with 'reward'")
     out = {}
@@ -109,121 +161,5 @@ def _checked(scores: Any) -> dict[str, float]:
         v = float(v)  # raises for non-numbers
         if math.isnan(v) or math.isinf(v):
             raise ValueError(f"reward function returned {k}={v}")
-        out[k] = v
+        out[str(k)] = v
     return out
-
-
-def _call_checked(fn: RewardFn, response: str, ground_truth: Any) -> dict[str, float]:
-    return _checked(fn(response, ground_truth))
-
-
-def _call_chunk(fn: RewardFn, items: list[tuple[str, Any]]) -> list[dict[str, float] | str]:
-    """Process-pool side: score a chunk; a failing item comes back as its error message."""
-    out: list[dict[str, float] | str] = []
-    for response, ground_truth in items:
-        try:
-            out.append(_call_checked(fn, response, ground_truth))
-        except Exception as exc:  # noqa: BLE001
-            out.append(f"{type(exc).__name__}: {exc}")
-    return out
-
-
-ZERO_SCORE = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
-
-
-@dataclass
-class RewardScorer:
-    """Scores a batch safely: a reward that raises, returns NaN/inf or a non-number, or runs past
-    ``timeout_s``, gives that sample the zero score and is counted in ``errors``; training goes on.
-
-    ``num_workers > 0`` grades in a process pool (for heavy graders; the function must be
-    importable, e.g. a built-in or ``package.module:function``). With ``num_workers=0`` a call
-    that hangs is abandoned in its thread after ``timeout_s``.
-    """
-
-    reward_fn: RewardFn
-    timeout_s: float = 10.0
-    num_workers: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    last_error: str | None = None
-    _pool: Any = field(default=None, repr=False)
-
-    def _executor(self):
-        if self._pool is None:
-            if self.num_workers > 0:
-                import multiprocessing as mp
-
-                self._pool = cf.ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("spawn"))
-            else:
-                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reward")
-        return self._pool
-
-    def _reset_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            if isinstance(pool, cf.ProcessPoolExecutor):
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _failed(self, message: str) -> dict[str, float]:
-        self.errors += 1
-        self.last_error = message
-        return dict(ZERO_SCORE)
-
-    def score(self, responses: Sequence[str], ground_truths: Sequence[Any]) -> list[dict[str, float]]:
-        if self.timeout_s is None or self.timeout_s <= 0:
-            out = []
-            for r, g in zip(responses, ground_truths):
-                try:
-                    out.append(_call_checked(self.reward_fn, r, g))
-                except Exception as exc:  # noqa: BLE001 - any reward failure scores 0
-                    out.append(self._failed(f"{type(exc).__name__}: {exc}"))
-            return out
-        if self.num_workers > 0:
-            return self._score_pooled(list(zip(responses, ground_truths)))
-        futures = [self._executor().submit(_call_checked, self.reward_fn, r, g) for r, g in zip(responses, ground_truths)]
-        out = []
-        for fut in futures:
-            try:
-                out.append(fut.result(timeout=self.timeout_s))
-            except cf.TimeoutError:
-                self.timeouts += 1
-                out.append(self._failed(f"timed out after {self.timeout_s}s"))
-                self._reset_pool()
-                # the rest of the batch was cancelled with the pool: score them again
-                rest = len(futures) - len(out)
-                if rest:
-                    out.extend(self.score(responses[len(out):], ground_truths[len(out):]))
-                return out
-            except Exception as exc:  # noqa: BLE001
-                out.append(self._failed(f"{type(exc).__name__}: {exc}"))
-        return out
-
-    def _score_pooled(self, items: list[tuple[str, Any]], chunk: int = 64) -> list[dict[str, float]]:
-        # chunks keep the inter-process traffic small; a chunk that times out is re-scored one by one
-        chunks = [items[i : i + chunk] for i in range(0, len(items), chunk)]
-        futures = [self._executor().submit(_call_chunk, self.reward_fn, c) for c in chunks]
-        out: list[dict[str, float]] = []
-        for i, (c, fut) in enumerate(zip(chunks, futures)):
-            try:
-                results = fut.result(timeout=self.timeout_s * len(c))
-            except cf.TimeoutError:
-                self._reset_pool()
-                if len(c) == 1:
-                    self.timeouts += 1
-                    out.append(self._failed(f"timed out after {self.timeout_s}s"))
-                else:
-                    out.extend(self._score_pooled(c, chunk=1))
-                rest = [item for later in chunks[i + 1 :] for item in later]
-                return out + (self._score_pooled(rest, chunk) if rest else [])
-            except Exception as exc:  # noqa: BLE001 - e.g. a worker died
-                self._reset_pool()
-                out.extend(self._failed(f"{type(exc).__name__}: {exc}") for _ in c)
-                continue
-            out.extend(r if isinstance(r, dict) else self._failed(r) for r in results)
-        return out
-
-    def close(self) -> None:
-        self._reset_pool()

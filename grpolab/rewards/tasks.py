@@ -11,7 +11,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from .verifiers import _score, extract_r1_zero_answer
+from .verifiers import extract_r1_zero_answer, reward_dict
 
 MAX_EQUATION_CHARS = 200
 
@@ -20,13 +20,13 @@ def arithmetic_reward_fn(response: str, ground_truth: Any, *, lenient_format: bo
     """R1-Zero format, and the answer block is exactly the integer ``ground_truth``."""
     answer = extract_r1_zero_answer(response, lenient_format)
     if answer is None:
-        return _score(False, False)
+        return reward_dict(False, False)
     text = answer.strip().replace("\u2212", "-")
     try:
         ok = int(text) == int(str(ground_truth).strip())
     except ValueError:
         ok = False
-    return _score(True, ok)
+    return reward_dict(True, ok)
 
 
 class _Rejected(ValueError):
@@ -76,11 +76,11 @@ def countdown_reward_fn(response: str, ground_truth: Any, *, lenient_format: boo
     once and evaluates to the target. ``ground_truth`` is ``{"numbers": [...], "target": int}``."""
     answer = extract_r1_zero_answer(response, lenient_format)
     if answer is None:
-        return _score(False, False)
+        return reward_dict(False, False)
     result = evaluate_equation(answer)
     if result is None:
-        return _score(True, False)
+        return reward_dict(True, False)
     value, used = result
     available = Counter(int(n) for n in ground_truth["numbers"])
     ok = value == int(ground_truth["target"]) and not (Counter(used) - available)
-    return _score(True, ok)
+    return reward_dict(True, ok)

@@ -1,0 +1,104 @@
+"""How rows become optimizer batches and micro-batches: the seeded example sampler, micro-batch
+planning (fixed CS336 slices or packing by a token budget), row selection with padding trimmed,
+and the per-epoch shuffle of off-policy optimizer batches. One path for every trainer."""
+
+from __future__ import annotations
+
+import torch
+
+
+def plan_microbatches(
+    lengths: list[int], gradient_accumulation_steps: int, token_budget: int | None = None
+) -> list[list[int]]:
+    """Split row indices into micro-batches.
+
+    Without a budget: ``gradient_accumulation_steps`` consecutive slices, equal when the rows
+    divide evenly (CS336), else differing by at most one row (losses scaled by global sizes). With a
+    ``token_budget``: rows sorted by length and packed so each micro-batch's padded size
+    (rows x longest row) stays within the budget — less padding, fewer passes. The losses must
+    then be scaled by the global batch size (``global_batch_size=``), which keeps the gradient
+    equal to the fixed-micro-batch gradient.
+    """
+    n = len(lengths)
+    if token_budget is None:
+        size, extra = divmod(n, gradient_accumulation_steps)
+        bounds = [i * size + min(i, extra) for i in range(gradient_accumulation_steps + 1)]
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    order = sorted(range(n), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        candidate = max(longest, lengths[i])
+        if current and candidate * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current, candidate = [], lengths[i]
+        current.append(i)
+        longest = candidate
+    if current:
+        batches.append(current)
+    return batches
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: list[int], device) -> dict[str, torch.Tensor]:
+    """Select rows of right-padded (B, T) tensors and trim the common padding on the right."""
+    index = torch.tensor(rows, dtype=torch.long)
+    mask = batch["response_mask"][index]
+    # the last position any selected row uses: its last response token
+    used = mask.any(0).nonzero()
+    width = int(used.max()) + 1 if len(used) else 1
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == mask.shape[1]:
+            out[k] = v[index, :width].to(device)
+        elif isinstance(v, torch.Tensor):
+            out[k] = v[index].to(device)
+    return out
+
+
+def optimizer_batches(n_rows: int, batch_size: int, shuffle: bool, generator: torch.Generator | None = None,
+                      keep_together: list[int] | None = None) -> list[list[int]]:
+    """Row indices of each optimizer batch for one epoch over ``n_rows`` rows.
+
+    ``shuffle``: a fresh permutation per call (off-policy epochs see different batches each
+    epoch, as veRL and OpenRLHF do). Within a batch, rows are then ordered by ``keep_together``
+    (e.g. each row's prompt index) so rows sharing a prompt stay adjacent for prompt sharing;
+    the order inside a batch does not change its gradient."""
+    order = torch.randperm(n_rows, generator=generator).tolist() if shuffle else list(range(n_rows))
+    batches = [order[i : i + batch_size] for i in range(0, n_rows, batch_size)]
+    if shuffle and keep_together is not None:
+        batches = [sorted(b, key=lambda r: (keep_together[r], r)) for b in batches]
+    return batches
+
+
+class ExampleSampler:
+    """Seeded pass-by-pass shuffling of a dataset, with a resumable position."""
+
+    def __init__(self, n: int, seed: int):
+        if n == 0:
+            raise ValueError("the training set is empty")
+        self.n, self.seed = n, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = min(k - len(out), self.n - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()

@@ -1,0 +1,155 @@
+"""Atomic checkpoints and the final model directory.
+
+Every directory a run writes (``checkpoints/step_N``, ``final/``) is first written to a hidden
+temporary directory, fsynced, then renamed into place, so a crash or SIGKILL never leaves a
+half-written one under its real name. At the next start, leftovers of an interrupted write are
+removed, and a checkpoint that cannot be read is skipped (loudly) in favour of the newest one
+that can.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..models import save_model_and_tokenizer
+
+STATE_FILE = "trainer_state.pt"
+
+
+def fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_directory(target: Path, write) -> Path:
+    """Call ``write(tmp_dir)``, fsync it, then move it to ``target`` (replacing an old one).
+
+    The old ``target`` is first renamed aside (``.old_<name>``) and removed after the new one is in
+    place, so at every instant one complete directory exists under a known name."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{target.name}_", dir=target.parent))
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        old = target.with_name(f".old_{target.name}")
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_tree(target.parent) if target.parent.is_dir() else None
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def remove_leftovers(directory: Path) -> list[Path]:
+    """Remove what an interrupted atomic write leaves behind in ``directory``: ``.tmp_*``
+    directories (a checkpoint or ``final/`` being written) and ``.old_*`` ones (a replaced
+    directory not yet deleted). Returns what was removed."""
+    removed = []
+    if Path(directory).is_dir():
+        for p in Path(directory).iterdir():
+            if p.is_dir() and (p.name.startswith(".tmp_") or p.name.startswith(".old_")):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def save_final(model, tokenizer, target: Path, extra=None) -> Path:
+    """The final model as an ordinary Hugging Face directory, written atomically; ``extra(tmp)``
+    may add files (e.g. PPO's value head)."""
+
+    def write(tmp: Path) -> None:
+        save_model_and_tokenizer(model, tokenizer, tmp)
+        if extra is not None:
+            extra(tmp)
+
+    return atomic_directory(target, write)
+
+
+class CheckpointManager:
+    """Atomic checkpoints ``checkpoints/step_N/``: model + tokenizer (safetensors) and
+    ``trainer_state.pt`` (everything else a trainer registered). Only the last ``keep_last`` are
+    kept."""
+
+    STATE_FILE = STATE_FILE
+
+    def __init__(self, root: Path, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, step: int, model, tokenizer, state: dict) -> Path:
+        def write(tmp: Path) -> None:
+            save_model_and_tokenizer(model, tokenizer, tmp)
+            torch.save(state, tmp / STATE_FILE)
+
+        final = atomic_directory(self.root / f"step_{step}", write)
+        for old in self.all()[: -self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def all(self) -> list[Path]:
+        """Complete checkpoints (their state file exists), oldest first."""
+        if not self.root.exists():
+            return []
+        done = [p for p in self.root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).exists()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest(self) -> Path | None:
+        found = self.all()
+        return found[-1] if found else None
+
+    def latest_loadable(self) -> tuple[Path, dict] | None:
+        """The newest checkpoint whose state and weights load, with its state. Unreadable ones
+        (truncated, incomplete) are reported on stderr and skipped."""
+        for path in reversed(self.all()):
+            try:
+                state = self.load_state(path)
+                check_model_files(path)
+            except Exception as exc:  # noqa: BLE001 - any failure to read means "skip this one"
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                print(f"grpolab: checkpoint {path} cannot be read ({reason}); trying an older one", file=sys.stderr)
+                continue
+            return path, state
+        return None
+
+    @staticmethod
+    def load_state(path: Path) -> dict:
+        return torch.load(Path(path) / STATE_FILE, weights_only=True)
+
+
+def check_model_files(path: Path) -> None:
+    """Raise unless every safetensors file in ``path`` reads completely (header and tensors)."""
+    from safetensors.torch import load_file
+
+    files = list(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no model weights (*.safetensors) in {path}")
+    for f in files:
+        load_file(str(f))

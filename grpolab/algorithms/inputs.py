@@ -1,0 +1,125 @@
+"""What a run trains and validates on: one place that turns a config's data fields (``task`` or
+``train_data``, ``eval_data``, ``prompt_template``, ``reward``) into examples, a prompt template
+and a reward function — for every trainer and for ``grpolab eval``."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from ..data import (
+    DataError,
+    Example,
+    PreferencePair,
+    SFTPair,
+    get_task,
+    load_examples,
+    load_preferences,
+    load_sft_pairs,
+    load_template,
+)
+from ..rewards import build_reward
+
+
+@dataclass
+class Inputs:
+    """Training examples, validation examples, the prompt template and the reward function."""
+
+    train: list
+    evals: list
+    template: Any
+    reward: Any
+
+
+def data_options(cfg) -> dict:
+    """The data-file settings of a config, as ``load_examples`` keywords."""
+    return {"format": cfg.data_format, "question_field": cfg.question_field, "answer_field": cfg.answer_field,
+            "on_error": cfg.data_on_error}
+
+
+def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
+                 reward: Any = None, task_options: dict | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
+    """``task:NAME`` (an embedded task's ``split``) or a data file -> (examples[:n], template, reward).
+    The embedded task brings its own template and verifier; a file defaults to r1_zero."""
+    if source.startswith("task:"):
+        task = get_task(source[5:], seed=seed, **(task_options or {}))
+        return (task.examples(split, n), load_template(prompt_template or task.default_template),
+                build_reward(reward) if reward is not None else task.reward_fn)
+    examples = list(load_examples(source, **data_kw))[:n]
+    return examples, load_template(prompt_template or "r1_zero"), build_reward(reward if reward is not None else "r1_zero")
+
+
+def load_inputs(cfg) -> Inputs:
+    """The examples, template and reward of a config with the shared data fields."""
+    if cfg.task is not None:
+        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        train = task.examples("train", cfg.task_train_size)
+        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
+        template = load_template(cfg.prompt_template or task.default_template)
+        reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
+    else:
+        train = load_examples(cfg.train_data, **data_options(cfg))
+        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else []
+        template = load_template(cfg.prompt_template or "r1_zero")
+        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
+    if not train:
+        raise DataError(f"{cfg.train_data or cfg.task}: no training examples")
+    return Inputs(list(train), list(evals)[: cfg.eval_examples], template, reward)
+
+
+def looks_like_sft_pairs(path: str) -> bool:
+    """A JSONL whose first record has ``prompt`` and ``response`` (CS336's ``sft.jsonl``)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(obj, dict) and "prompt" in obj and "response" in obj
+    return False
+
+
+def load_sft_inputs(cfg) -> tuple[list[SFTPair], Inputs]:
+    """SFT's (prompt, response) pairs — from an ``sft.jsonl`` or the worked solutions of a task or
+    GSM8K/MATH file — and the usual inputs for validation."""
+    if cfg.train_data is not None and looks_like_sft_pairs(cfg.train_data):
+        pairs = list(load_sft_pairs(cfg.train_data))
+        evals = list(load_examples(cfg.eval_data, **data_options(cfg)))[: cfg.eval_examples] if cfg.eval_data else []
+        inputs = Inputs(pairs, evals, load_template(cfg.prompt_template or "r1_zero"),
+                        build_reward(cfg.reward if cfg.reward is not None else "r1_zero"))
+        return pairs, inputs
+    inputs = load_inputs(cfg)
+    missing = [i for i, e in enumerate(inputs.train) if not e.solution]
+    if missing:
+        raise DataError(f"{cfg.train_data or cfg.task}: example {missing[0]} has no worked solution to imitate")
+    return [SFTPair(inputs.template.format(e.question), e.solution, e.answer) for e in inputs.train], inputs
+
+
+def task_preference_pairs(task_name: str, split: str, n: int, seed: int, options: dict, template) -> list[PreferencePair]:
+    """(prompt, a correct worked solution, the same solution with a wrong final answer) for ``n``
+    questions of an embedded task's split."""
+    task = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0})
+    rng = random.Random(f"pairs:{seed}:{split}")
+    return [PreferencePair(template.format(e.question), e.solution, task.wrong_solution(e, rng))
+            for e in task.examples(split, n)]
+
+
+def load_preference_inputs(cfg) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """DPO's (training pairs, held-out pairs): from an embedded task, or a preference JSONL with a
+    held-out file or a seeded 10 % split."""
+    if cfg.task is not None:
+        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        template = load_template(cfg.prompt_template or task.default_template)
+        train = task_preference_pairs(cfg.task, "train", cfg.task_train_size, cfg.seed, cfg.task_options, template)
+        held = task_preference_pairs(cfg.task, "validation", cfg.eval_pairs, cfg.seed, cfg.task_options, template)
+        return train, held
+    pairs = list(load_preferences(cfg.train_data))
+    if cfg.eval_data:
+        return pairs, list(load_preferences(cfg.eval_data))[: cfg.eval_pairs]
+    rng = random.Random(cfg.seed)
+    rng.shuffle(pairs)
+    n_held = max(1, len(pairs) // 10)
+    return pairs[n_held:], pairs[:n_held][: cfg.eval_pairs]

@@ -1,0 +1,342 @@
+"""``Run``: the one owner of a training run, shared by every trainer.
+
+A trainer holds only its algorithm; the ``Run`` holds everything around it:
+
+- the run directory (``config.yaml``, ``metrics.jsonl``, ``samples/``, ``checkpoints/step_N/``,
+  ``final/``) — refused if it already holds a run, unless resuming or ``overwrite``;
+- the model: from the newest readable checkpoint when resuming, else the one given, else
+  ``cfg.model``; seeded, on its device, dropout disabled (``disable_dropout``);
+- every state a trainer registers with ``track`` (optimizer, scheduler, data position, KL
+  controller, health streaks, RNG generators, extra models), saved in atomic checkpoints and
+  restored on ``--resume`` so a resumed run equals an uninterrupted one;
+- metrics (``log``), validation (``validate``), the guarded optimizer step (non-finite steps are
+  skipped and counted), Ctrl-C (a checkpoint at the next safe point and a ``--resume`` hint),
+  the final model (written atomically) and the ``TrainResult``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..eval import evaluate, log_generations
+from ..models import load_model_and_tokenizer
+from .checkpoints import CheckpointManager, atomic_write_text, remove_leftovers, save_final
+from .config import ConfigError, resume_changes
+from .metrics import MetricsLogger, progress
+from .optimization import StepResult, optimizer_step
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C stopped the run at a safe point; the message says how to resume."""
+
+
+@dataclass
+class TrainResult:
+    """What every trainer returns: where the run is, and the validation figures before/after."""
+
+    run_dir: Path
+    final_dir: Path
+    metrics_path: Path
+    after: dict[str, float]
+    wall_s: float
+    before: dict[str, float] | None = None
+    n_examples: int | None = None  # SFT: training pairs after filtering
+    filtered_sizes: list[int] = field(default_factory=list)  # expert iteration: kept responses per step
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, torch (and numpy when present) in one place; optionally deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def autocast_for(dtype: str, device: torch.device | str):
+    """bf16 autocast (weights stay fp32) where asked, else a no-op context."""
+    if dtype == "bfloat16":
+        device_type = torch.device(device).type
+        return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere (TRL's convention): log-probs that enter a ratio or a KL must be of
+    the same distribution the sampler drew from."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "final")
+
+
+def holds_a_run(path: Path) -> bool:
+    """A directory holds a run when it has metrics, checkpoints or a final model."""
+    metrics = path / "metrics.jsonl"
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or any((path / "checkpoints").glob("step_*"))
+            or (path / "final").exists())
+
+
+def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything is touched, a run directory we must not (or cannot) write."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir {path}: exists and is not a directory")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"run_dir {path}: {probe} is not a directory")
+    import os
+
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir {path}: {probe} is not writable")
+    if not resume and not overwrite and path.is_dir() and holds_a_run(path):
+        raise ConfigError(f"run_dir {path} already holds a run: continue it with --resume {path}, or replace it "
+                          "with --overwrite")
+
+
+def clear_run_dir(path: Path) -> None:
+    """``overwrite``: remove a previous run's files (only the ones a run writes)."""
+    import shutil
+
+    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml"):
+        p = path / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+class Run:
+    """See the module docstring. ``step_key`` names the trainer's outer step in the metrics
+    (``grpo_step``, ``ppo_step``, ...); ``total_steps`` is its length."""
+
+    def __init__(self, cfg, *, step_key: str, total_steps: int, resume: bool = False, overwrite: bool = False,
+                 model=None, tokenizer=None, desc: str = ""):
+        self.wall = time.perf_counter()
+        self.cfg, self.step_key, self.total_steps = cfg, step_key, total_steps
+        self.path = Path(cfg.run_dir)
+        check_run_dir(self.path, resume, overwrite)
+        self.ckpts = CheckpointManager(self.path / "checkpoints", cfg.keep_last)
+        self.resumed_from, self.state = None, None
+        if resume:
+            remove_leftovers(self.ckpts.root)
+            found = self.ckpts.latest_loadable()
+            if found is None:
+                raise ConfigError(f"{self.path}: nothing to resume (no readable checkpoint in {self.ckpts.root})")
+            self.resumed_from, self.state = found
+            changes = resume_changes(self.state.get("config", {}), cfg.to_dict())
+            if changes.refused:
+                raise ConfigError(f"--resume {self.path}: the run's config cannot change on resume: {changes.refused} "
+                                  f"(only {', '.join(changes.allowed_keys)} may)")
+        seed_everything(cfg.seed, cfg.deterministic)
+        self.device = resolve_device(cfg.device)
+        if self.resumed_from is not None:
+            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from))
+        elif model is None:
+            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+        if cfg.disable_dropout:
+            disable_dropout(model)
+        self.model, self.tokenizer = model.to(self.device).train(), tokenizer
+        self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
+        # inputs are valid and the model loaded: only now is the directory touched
+        if overwrite and not resume:
+            clear_run_dir(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "samples").mkdir(exist_ok=True)
+        remove_leftovers(self.path)
+        remove_leftovers(self.ckpts.root)
+        atomic_write_text(self.path / "config.yaml", _yaml(cfg.to_dict()))
+        self.metrics_path = self.path / "metrics.jsonl"
+        if self.state is None:
+            self.metrics_path.write_text("")
+        self.logger = MetricsLogger(self.metrics_path, cfg.report_to, run_name=self.path.name, config=cfg.to_dict(),
+                                    truncate_at=self.state.get("metrics_offset") if self.state else None)
+        counters = (self.state or {}).get("counters", {})
+        self.step = int(counters.get("step", 0))
+        self.train_step = int(counters.get("train_step", 0))
+        self.eval_step = int(counters.get("eval_step", 0))
+        self.nonfinite_steps = int(counters.get("nonfinite_steps", 0))
+        self._tracked: dict[str, Any] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._interrupts = 0
+        self._old_sigint = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        self.bar = progress(total_steps, desc or step_key.split("_")[0].upper(), cfg.show_progress, initial=self.step)
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def resuming(self) -> bool:
+        return self.state is not None
+
+    def track(self, name: str, obj):
+        """Register ``obj`` (anything with ``state_dict``/``load_state_dict``: optimizer,
+        scheduler, sampler, KL controller, health monitor, a module) for checkpoints; restores
+        it now when resuming. Returns ``obj``."""
+        self._tracked[name] = obj
+        if self.state is not None and name in self.state:
+            obj.load_state_dict(self.state[name])
+        return obj
+
+    def track_rng(self, name: str, generator: torch.Generator) -> torch.Generator:
+        """Register a sampling generator; when resuming, its state (and torch's) is restored."""
+        self._generators[name] = generator
+        if self.state is not None:
+            generator.set_state(self.state["rng"][name])
+            torch.set_rng_state(self.state["rng"]["torch"])
+        return generator
+
+    def checkpoint(self, done: int) -> Path:
+        """An atomic checkpoint after ``done`` outer steps, with every tracked state."""
+        state = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        state["counters"] = {"step": done, "train_step": self.train_step, "eval_step": self.eval_step,
+                             "nonfinite_steps": self.nonfinite_steps}
+        state["rng"] = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in self._generators.items()}}
+        state["config"] = self.cfg.to_dict()
+        state["metrics_offset"] = self.logger.offset()
+        return self.ckpts.save(done, self.model, self.tokenizer, state)
+
+    # ------------------------------------------------------------ the loop
+
+    def steps(self):
+        """The outer steps still to run: ``range(start, total_steps)``."""
+        return range(self.step, self.total_steps)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.logger.log(record)
+
+    def optimizer_step(self, optimizer, scheduler, loss: float | None = None, parameters_of=None) -> StepResult:
+        """The guarded optimizer step; a skipped (non-finite) step is counted and reported."""
+        result = optimizer_step(parameters_of or self.model, optimizer, scheduler, self.cfg.max_grad_norm, loss)
+        if result.skipped:
+            self.nonfinite_steps += 1
+            self.bar.write(f"grpolab health: optimizer step {self.train_step} skipped: the loss or gradient norm is not "
+                           f"finite (loss {loss}, grad norm {result.grad_norm}); {self.nonfinite_steps} skipped so far. "
+                           "Lower learning_rate, use float32, or check the rewards and advantage_eps.")
+        return result
+
+    def validate(self, step: int, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Run ``evaluate()`` and log its figures as ``eval/*`` with ``eval_step`` and the outer step."""
+        metrics = evaluate()
+        if metrics:
+            self.log({"eval_step": self.eval_step, self.step_key: step, **{f"eval/{k}": v for k, v in metrics.items()}})
+            self.eval_step += 1
+        return metrics
+
+    def end_step(self, done: int, validate: Callable[[int], Any] | None = None) -> None:
+        """After outer step ``done``: periodic validation, periodic checkpoint, and Ctrl-C."""
+        self.step = done
+        self.bar.update(1)
+        if validate is not None and self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps:
+            validate(done)
+        saved = None
+        if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
+            saved = self.checkpoint(done)
+        if self._interrupts:
+            saved = saved or self.checkpoint(done)
+            self.close()
+            raise RunInterrupted(f"interrupted after step {done}; checkpoint {saved}. Continue with: "
+                                 f"grpolab {self.cfg.command} --resume {self.path}")
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._interrupts += 1
+        if self._interrupts > 1:  # a second Ctrl-C: stop at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        print("\ngrpolab: Ctrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop now)",
+              file=sys.stderr)
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self, after: dict[str, float], *, before: dict[str, float] | None = None, extra_files=None,
+               plot: Callable[[Path, Path], Any] | None = None, **result) -> TrainResult:
+        """Save ``final/`` atomically, close the metrics, plot, and return the ``TrainResult``."""
+        final = save_final(self.model, self.tokenizer, self.path / "final", extra_files)
+        self.close()
+        if plot is not None:
+            plot(self.metrics_path, self.path / "curves.png")
+        return TrainResult(self.path, final, self.metrics_path, after, time.perf_counter() - self.wall,
+                           before=before, **result)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.logger.close()
+        if self._old_sigint is not None:
+            signal.signal(signal.SIGINT, self._old_sigint)
+            self._old_sigint = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _yaml(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def frozen_copy(model):
+    """A frozen reference policy: a copy of the starting model, eval mode, no gradients."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], dict[str, float]]:
+    """``validate(step)``: accuracy on the validation examples (sampled as configured), logged with
+    sample generations (CS336 ``log_generations``); {} when there is nothing to validate on."""
+    sampling = cfg.eval_sampling_params()
+
+    def measure(step: int) -> dict[str, float]:
+        if not inputs.evals or inputs.reward is None:
+            return {}
+        result = evaluate(backend, inputs.evals, inputs.template, inputs.reward, sampling, scorer=scorer)
+        extra = {}
+        if cfg.log_generations_samples:
+            extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step, run.model,
+                                    run.tokenizer, cfg.log_generations_samples)
+        return {**result.metrics, **extra}
+
+    return lambda step: run.validate(step, lambda: measure(step))
+
+
+class ListState:
+    """A plain list as checkpoint state (e.g. expert iteration's filtered-set sizes so far)."""
+
+    def __init__(self, items: list | None = None):
+        self.items = list(items or [])
+
+    def state_dict(self) -> list:
+        return list(self.items)
+
+    def load_state_dict(self, state) -> None:
+        self.items[:] = list(state)

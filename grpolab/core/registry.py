@@ -1,0 +1,131 @@
+"""Name -> pure function registries for policy losses and advantage estimators.
+
+A new loss is one function and one line: decorate it with ``@register_policy_loss("name")`` in
+``core/losses.py`` (or anywhere that is imported) and ``loss_type="name"`` reaches it through
+``compute_policy_gradient_loss``; config validators take the allowed values from
+``policy_loss_names()``. Advantage estimators work the same way with
+``@register_advantage_estimator`` and ``advantage_estimator_names()``.
+
+The registries are plain dicts (``POLICY_LOSSES``, ``ADVANTAGE_ESTIMATORS``) in registration
+order; use the helpers below rather than mutating them, so that names are checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, TypeVar
+
+import torch
+
+
+class PolicyLoss(Protocol):
+    """The one signature every registered policy loss has (all inputs but the first by keyword).
+
+    ``policy_log_probs`` (batch, seq) carries the gradient. ``raw_rewards`` / ``advantages`` are
+    (batch,), (batch, 1) or per-token (batch, seq); ``old_log_probs`` (batch, seq) are the sampling
+    policy's log-probs; ``cliprange`` / ``cliprange_high`` are PPO's epsilon (low and high). Any may
+    be None; a loss that needs one raises ``ValueError("loss_type='name' requires <input>")``.
+    ``**options`` are extras some losses need (``grpo_microbatch_train_step`` always passes
+    ``response_mask`` (batch, seq) bool); a loss ignores the options it does not use.
+    Returns ``(per_token_loss (batch, seq), metadata)``; metadata may hold ``"clipped"`` (bool,
+    (batch, seq)) and ``"ratio"`` (detached, (batch, seq)), which the train step reports.
+    """
+
+    def __call__(
+        self,
+        policy_log_probs: torch.Tensor,
+        *,
+        raw_rewards: torch.Tensor | None,
+        advantages: torch.Tensor | None,
+        old_log_probs: torch.Tensor | None,
+        cliprange: float | None,
+        cliprange_high: float | None,
+        **options: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+class AdvantageEstimator(Protocol):
+    """The one signature every registered advantage estimator has.
+
+    ``raw_rewards`` (N,) are the rewards of N = n_prompts * group_size responses, grouped in
+    consecutive blocks of ``group_size``. ``**options`` carry the estimator's knobs by keyword
+    (``advantage_eps``, ``use_std_normalization`` for "grpo"; a token-level estimator such as GAE
+    would take ``values`` and ``response_mask`` (N, seq)); an estimator ignores options it does not
+    use. Returns float32 advantages (N,) per response, or (N, seq) per token for token-level
+    estimators (the policy losses broadcast both).
+    """
+
+    def __call__(self, raw_rewards: torch.Tensor, group_size: int, **options: Any) -> torch.Tensor: ...
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _register(table: dict, kind: str, name: str, replace: bool) -> Callable[[_F], _F]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a {kind} name must be a non-empty string, got {name!r}")
+    if name in table and not replace:
+        raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
+
+    def decorator(fn: _F) -> _F:
+        if not callable(fn):
+            raise TypeError(f"{kind} {name!r} must be callable, got {type(fn).__name__}")
+        table[name] = fn
+        return fn
+
+    return decorator
+
+
+def _lookup(table: dict, kind: str, name: str) -> Callable[..., Any]:
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {kind} {name!r}; expected one of {', '.join(table)}") from None
+
+
+def _unregister(table: dict, kind: str, name: str) -> Callable[..., Any]:
+    fn = _lookup(table, kind, name)
+    del table[name]
+    return fn
+
+
+def register_policy_loss(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
+    """Decorator: register ``fn`` (with the ``PolicyLoss`` signature) as ``loss_type=name``."""
+    return _register(POLICY_LOSSES, "loss_type", name, replace)
+
+
+def unregister_policy_loss(name: str) -> PolicyLoss:
+    """Remove ``name`` from the policy-loss registry and return its function."""
+    return _unregister(POLICY_LOSSES, "loss_type", name)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered loss ``name``; ValueError listing the registered names when unknown."""
+    return _lookup(POLICY_LOSSES, "loss_type", name)
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Registered ``loss_type`` values, in registration order (the CS336 four come first)."""
+    return tuple(POLICY_LOSSES)
+
+
+def register_advantage_estimator(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
+    """Decorator: register ``fn`` (with the ``AdvantageEstimator`` signature) under ``name``."""
+    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, replace)
+
+
+def unregister_advantage_estimator(name: str) -> AdvantageEstimator:
+    """Remove ``name`` from the advantage-estimator registry and return its function."""
+    return _unregister(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The registered estimator ``name``; ValueError listing the registered names when unknown."""
+    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def advantage_estimator_names() -> tuple[str, ...]:
+    """Registered advantage-estimator names, in registration order."""
+    return tuple(ADVANTAGE_ESTIMATORS)

@@ -1,0 +1,31 @@
+"""Named hyperparameter presets for the embedded arithmetic task: the demo's SFT warm-up and GRPO
+run, and the methods ``grpolab compare`` measures against each other. One place, so the demo and
+the comparison cannot drift apart."""
+
+from __future__ import annotations
+
+TASK = "arithmetic"
+TASK_OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-", "wrong_fraction": 0.5, "wrong_kind": "answer"}
+TEST_EXAMPLES = 400  # held-out test questions the demo evaluates on
+ROLLOUTS_PER_STEP = 128  # sampled responses per RL step (GRPO, PPO) in the demo and the comparison
+
+# SFT warm start on imperfect demonstrations (half of them end in a wrong answer)
+DEMO_SFT = dict(n_sft_steps=400, learning_rate=3e-3, train_batch_size=64, gradient_accumulation_steps=1,
+                warmup_steps=40, lr_schedule="cosine", task_train_size=3000)
+
+# GRPO with Dr. GRPO's settings (no std normalisation, a constant length normaliser)
+DEMO_GRPO = dict(n_grpo_steps=150, learning_rate=1e-4, rollout_batch_size=ROLLOUTS_PER_STEP, group_size=8,
+                 train_batch_size=128, gradient_accumulation_steps=2, loss_type="reinforce_with_baseline",
+                 use_std_normalization=False, length_normalization="masked_normalize",
+                 sampling_temperature=1.0, sampling_min_tokens=1, sampling_max_tokens=32, warmup_steps=0,
+                 eval_every=25, eval_examples=200, task_train_size=3000)
+
+# grpolab compare: each method's settings for a budget of `steps` RL steps (steps x 128 samples)
+COMPARE_MLE = dict(learning_rate=3e-4, warmup_steps=0, lr_schedule="constant", eval_examples=100,
+                   log_generations_samples=0)
+COMPARE_PPO = dict(rollout_batch_size=ROLLOUTS_PER_STEP, group_size=8, train_batch_size=64, ppo_epochs=2,
+                   learning_rate=1e-4, vf_coef=0.1, kl_coef=0.2, kl_target=0.5, sampling_min_tokens=1,
+                   eval_examples=100, task_train_size=3000)
+COMPARE_GRPO = dict(eval_examples=100, log_generations_samples=0)
+COMPARE_EI = dict(n_ei_steps=4, group_size=8, learning_rate=3e-4, train_batch_size=64, gradient_accumulation_steps=1,
+                  sampling_min_tokens=1, eval_examples=100, task_train_size=3000)
