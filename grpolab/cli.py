@@ -107,47 +107,43 @@ def _report(result) -> None:
         typer.echo(f"validation accuracy: {after['accuracy']:.3f}  format rate: {after['format_rate']:.3f}")
 
 
-@app.command(context_settings=EXTRA)
-def grpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
-         overwrite: bool = OVERWRITE_OPT) -> None:
-    """Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value."""
-    _report(_train("grpo", ctx, config, resume, overwrite))
-
-
-@app.command(context_settings=EXTRA)
-def sft(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
-        overwrite: bool = OVERWRITE_OPT) -> None:
-    """Supervised fine-tuning on (prompt, response) pairs, loss on the response only."""
-    result = _train("sft", ctx, config, resume, overwrite)
+def _report_sft(result) -> None:
     typer.echo(f"trained on {result.n_examples} examples")
     _report(result)
 
 
-@app.command(context_settings=EXTRA)
-def ei(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
-       overwrite: bool = OVERWRITE_OPT) -> None:
-    """Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them."""
-    result = _train("ei", ctx, config, resume, overwrite)
+def _report_ei(result) -> None:
     typer.echo(f"filtered set sizes: {result.filtered_sizes}")
     _report(result)
 
 
-@app.command(context_settings=EXTRA)
-def ppo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
-        overwrite: bool = OVERWRITE_OPT) -> None:
-    """PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."""
-    _report(_train("ppo", ctx, config, resume, overwrite))
-
-
-@app.command(context_settings=EXTRA)
-def dpo(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
-        overwrite: bool = OVERWRITE_OPT) -> None:
-    """DPO on preference pairs; reports held-out preference accuracy."""
-    result = _train("dpo", ctx, config, resume, overwrite)
+def _report_dpo(result) -> None:
     if result.before is not None:
         typer.echo(f"held-out preference accuracy: {result.before['preference_accuracy']:.3f} -> "
                    f"{result.after['preference_accuracy']:.3f}")
     _report(result)
+
+
+# command -> (help, how its result is reported); the trainer of each is in _trainers() above
+TRAINING_COMMANDS = {
+    "grpo": ("Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value.", _report),
+    "sft": ("Supervised fine-tuning on (prompt, response) pairs, loss on the response only.", _report_sft),
+    "ei": ("Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them.", _report_ei),
+    "ppo": ("PPO with a value head and GAE (the RLHF baseline GRPO is measured against).", _report),
+    "dpo": ("DPO on preference pairs; reports held-out preference accuracy.", _report_dpo),
+}
+
+
+def _add_training_command(name: str, help_text: str, report) -> None:
+    def command(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
+                overwrite: bool = OVERWRITE_OPT) -> None:
+        report(_train(name, ctx, config, resume, overwrite))
+
+    app.command(name, context_settings=EXTRA, help=help_text)(command)
+
+
+for _name, (_help, _reporter) in TRAINING_COMMANDS.items():
+    _add_training_command(_name, _help, _reporter)
 
 
 @app.command("eval")

@@ -87,11 +87,17 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
 
+    return _write_summary(run_dir, model, tokenizer, grpo_result, before, after, timings, seed, len(test))
+
+
+def _write_summary(run_dir: Path, model, tokenizer, grpo_result, before: dict, after: dict, timings: dict, seed: int,
+                   n_test: int) -> dict:
+    """Save the final model and plot, write ``summary.json`` and print the table."""
     final = save_final(model, tokenizer, run_dir / "final")
     plot = plot_grpo_run(grpo_result.metrics_path, run_dir / "grpo_demo.png",
                          "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
     summary = {
-        "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": len(test),
+        "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": n_test,
         "before": before, "after": after,
         "accuracy_gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
         "wall_seconds": {k: round(v, 1) for k, v in timings.items()},

@@ -4,7 +4,11 @@ and the per-epoch shuffle of off-policy optimizer batches. One path for every tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..core import build_sequences, get_response_log_probs
 
 
 def plan_microbatches(
@@ -102,3 +106,53 @@ class ExampleSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation()
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout batch: the exact sampled ids (right-padded, shifted) and what the update needs.
+    Per-token tensors are (batch, seq) in label positions; per-row ones are (batch,)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    raw_rewards: torch.Tensor
+    advantages: torch.Tensor
+    sampler_log_probs: torch.Tensor
+    sequences: list[tuple[list[int], list[int], int]]  # (prompt ids, response ids, prompt index) per row
+    pad_id: int
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors ``take_rows`` slices: per-token ones and per-row ones as (batch, 1)."""
+        out = {"input_ids": self.input_ids, "labels": self.labels, "response_mask": self.response_mask,
+               "raw_rewards": self.raw_rewards.unsqueeze(1), "advantages": self.advantages.unsqueeze(1)}
+        for key in ("old_log_probs", "ref_log_probs"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
+    seqs = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
+    sampler_lp = torch.zeros(seqs["labels"].shape)
+    for i, r in enumerate(rollouts):
+        start = len(r.prompt_ids) - 1
+        sampler_lp[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs)
+    return RolloutBatch(seqs["input_ids"], seqs["labels"], seqs["response_mask"], raw_rewards, advantages, sampler_lp,
+                        [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts], pad_id)
+
+
+@torch.inference_mode()
+def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float) -> torch.Tensor:
+    """Log-probs of every row of a rollout batch without gradients (old policy, reference)."""
+    tensors = batch.tensors()
+    out = torch.zeros(batch.labels.shape)
+    for start in range(0, len(batch.sequences), rows_per_pass):
+        rows = list(range(start, min(len(batch.sequences), start + rows_per_pass)))
+        mb = take_rows(tensors, rows, device)
+        with autocast():
+            lp = get_response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature)["log_probs"]
+        out[rows, : lp.shape[1]] = lp.float().cpu()
+    return out

@@ -127,6 +127,12 @@ class RunConfig(BaseConfig):
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
 
     command: ClassVar[str] = "train"  # the CLI command that runs this config (for messages)
+    steps_field: ClassVar[str] = "n_steps"  # the field holding the run's length in outer steps
+    step_key: ClassVar[str] = "step"  # the outer step's name in metrics.jsonl
+
+    @property
+    def total_steps(self) -> int:
+        return int(getattr(self, self.steps_field))
 
     @model_validator(mode="after")
     def _check_data(self):
@@ -223,16 +229,19 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any]) -> ResumeChanges:
 
 class PolicyUpdateConfig(SampledRunConfig):
     """What GRPO and PPO share: rollout and optimizer batches, the clipped update, the KL to a frozen
-    reference with its controller, and the KL early stop. Each method sets its own defaults."""
+    reference with its controller, and the KL early stop. The defaults are CS336's GRPO ones; a
+    method with other defaults lists them in ``method_defaults`` (applied where a value is not given)."""
+
+    method_defaults: ClassVar[dict[str, Any]] = {}
 
     rollout_batch_size: int = Field(256, ge=1)
     group_size: int = Field(8, ge=1)  # responses per question
     train_batch_size: int = Field(256, ge=1)  # optimizer batch; < rollout_batch_size is off-policy
-    gradient_accumulation_steps: int = Field(1, ge=1)  # micro-batch = train_batch_size / this
+    gradient_accumulation_steps: int = Field(128, ge=1)  # micro-batch = train_batch_size / this
     learning_rate: float = Field(1e-5, gt=0)
     cliprange: float = Field(0.2, gt=0)
     whiten_advantages: bool = False
-    warmup_steps: int = Field(0, ge=0)  # linear warm-up, capped at 10 % of the optimizer steps
+    warmup_steps: int = Field(1000, ge=0)  # linear warm-up (seed design), capped at 10 % of the optimizer steps
     lr_schedule: Literal["constant", "cosine"] = "constant"
     # KL to a frozen reference. kl_coef 0 means no KL anywhere: no reference model is loaded and the
     # adaptive controller stays off. Otherwise kl_adaptive moves the coefficient toward kl_target
@@ -247,6 +256,13 @@ class PolicyUpdateConfig(SampledRunConfig):
     # measured; if it exceeds kl_stop, that step is not applied and the rollout batch's remaining
     # updates are skipped (as Stable-Baselines3 and OpenAI's PPO do).
     kl_stop: float | None = Field(0.3, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.method_defaults:
+            return {**cls.method_defaults, **data}
+        return data
 
     @model_validator(mode="after")
     def _check_batches(self):

@@ -20,7 +20,7 @@ from ..data import PreferencePair
 from .batching import ExampleSampler
 from .config import RunConfig
 from .inputs import load_preference_inputs
-from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .run import Run, TrainResult, frozen_copy
 
 ALPACA_TEMPLATE = (
@@ -42,7 +42,7 @@ def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: st
 
 
 class DPOConfig(RunConfig):
-    command = "dpo"
+    command, steps_field, step_key = "dpo", "n_dpo_steps", "dpo_step"
     task_train_size: int = Field(1000, ge=1)
     use_alpaca_template: bool = False  # wrap prompts in the Alpaca template (CS336 supplement)
     beta: float = Field(0.1, gt=0)
@@ -107,8 +107,7 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
     train, held = load_preference_inputs(cfg)
     if not train:
         raise ValueError("no training pairs")
-    with Run(cfg, step_key="dpo_step", total_steps=cfg.n_dpo_steps, resume=resume, overwrite=overwrite,
-             model=model, tokenizer=tokenizer, desc="DPO") as run:
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer) as run:
         model, tokenizer = run.model, run.tokenizer
         ref = run.track("reference_model", (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device))
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
@@ -129,9 +128,8 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
             total, acc = dpo_gradient(model, ref, tokenizer, [train[i] for i in sampler.next(cfg.train_batch_size)],
                                       cfg, run.device)
             result = run.optimizer_step(optimizer, scheduler, total)
-            run.log({"train_step": step, "train/dpo_loss": total, "train/preference_accuracy": acc / cfg.train_batch_size,
-                     "train/grad_norm": result.grad_norm, "train/lr": current_lr(optimizer),
-                     "health/nonfinite_steps": run.nonfinite_steps})
+            run.log_update({"train_step": step, "train/dpo_loss": total,
+                            "train/preference_accuracy": acc / cfg.train_batch_size}, result, optimizer)
             run.train_step = step + 1
             run.bar.set_postfix(loss=f"{total:.4f}")
             run.end_step(step + 1, held_out)

@@ -19,12 +19,13 @@ from .batching import ExampleSampler
 from .config import SampledRunConfig
 from .inputs import load_inputs
 from .optimization import make_optimizer
+from .resources import check_sampled_inputs
 from .run import ListState, Run, TrainResult, validation
 from .sft import accumulate_sft_gradient
 
 
 class EIConfig(SampledRunConfig):
-    command = "ei"
+    command, steps_field, step_key = "ei", "n_ei_steps", "ei_step"
     n_ei_steps: int = Field(5, ge=1)  # CS336 Algorithm 2's n_ei_steps
     ei_batch_size: int = Field(512, ge=1)  # questions per step (CS336 sweeps 512, 1024, 2048)
     group_size: int = Field(4, ge=1)  # responses sampled per question (G)
@@ -48,8 +49,8 @@ def sft_on_kept(run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cf
                                                  cfg.gradient_accumulation_steps, cfg.normalize_constant, pad_id,
                                                  run.device, run.autocast)
         result = run.optimizer_step(optimizer, None, loss)
-        run.log({"train_step": run.train_step, "ei_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0),
-                 "train/grad_norm": result.grad_norm, "health/nonfinite_steps": run.nonfinite_steps})
+        run.log_update({"train_step": run.train_step, "ei_step": step, "train/loss": loss,
+                        "train/token_nll": nll / max(tok, 1.0)}, result)
         losses.append(nll / max(tok, 1.0))
         run.train_step += 1
     return losses
@@ -58,8 +59,8 @@ def sft_on_kept(run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cf
 def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume: bool = False,
                            overwrite: bool = False) -> TrainResult:
     inputs = load_inputs(cfg)
-    with Run(cfg, step_key="ei_step", total_steps=cfg.n_ei_steps, resume=resume, overwrite=overwrite,
-             model=model, tokenizer=tokenizer, desc="EI") as run:
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
+             check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))

@@ -24,44 +24,56 @@ from pydantic import Field, field_validator, model_validator
 from ..core import (
     KL_ESTIMATORS,
     KL_LOSS_ESTIMATORS,
-    build_sequences,
+    LENGTH_NORMALIZATIONS,
     get_response_log_probs,
     grpo_microbatch_train_step,
+    advantage_estimator_names,
+    compute_advantages,
     kl_k3,
-    normalize_group_rewards,
     pad_token_id,
     policy_loss_names,
     whiten,
 )
-from ..models.shared_prefix import label_to_response_layout, shared_prefix_response_log_probs, supports_shared_prefix
+from ..models.shared_prefix import (
+    label_to_response_layout,
+    response_to_label_layout,
+    shared_prefix_rows,
+    supports_shared_prefix,
+)
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from .batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
+from .batching import (
+    ExampleSampler,
+    RolloutBatch,
+    batched_log_probs,
+    make_rollout_batch,
+    optimizer_batches,
+    plan_microbatches,
+    take_rows,
+)
 from .config import PolicyUpdateConfig
 from .health import HealthMonitor, rollout_health
 from .inputs import load_inputs
 from .metrics import plot_grpo_run
 from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .resources import check_sampled_inputs
 from .run import Run, TrainResult, frozen_copy, validation
 
 
 class GRPOConfig(PolicyUpdateConfig):
-    command = "grpo"
+    command, steps_field, step_key = "grpo", "n_grpo_steps", "grpo_step"
     # --- CS336 Algorithm 3 (defaults from the handout)
+    # (rollout_batch_size 256, group_size 8, train_batch_size 256, gradient_accumulation_steps 128,
+    # learning_rate 1e-5, cliprange 0.2 and warmup_steps 1000 come from PolicyUpdateConfig)
     n_grpo_steps: int = Field(200, ge=1)
-    learning_rate: float = Field(1e-5, gt=0)
     advantage_eps: float = Field(1e-6, ge=0)
-    rollout_batch_size: int = Field(256, ge=1)
-    group_size: int = Field(8, ge=1)
-    epochs_per_rollout_batch: int = Field(1, ge=1)  # > 1 is off-policy
-    train_batch_size: int = Field(256, ge=1)  # > rollout_batch_size is an error; < is off-policy
-    gradient_accumulation_steps: int = Field(128, ge=1)  # micro-batch = train_batch_size / this
+    advantage_estimator: str = "grpo"  # a name in core's advantage-estimator registry
+    epochs_per_rollout_batch: int = Field(1, ge=1)  # > 1 is off-policy; train_batch_size < rollout_batch_size too
     loss_type: str = "reinforce_with_baseline"  # a name in core's policy-loss registry
     use_std_normalization: bool = True
     length_normalization: str = "masked_mean"  # masked_mean | masked_normalize (Dr. GRPO) | token_mean (DAPO)
     normalize_constant: float | None = None  # masked_normalize's constant (default sampling_max_tokens)
     cliprange_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28)
-    warmup_steps: int = Field(1000, ge=0)  # linear warm-up (seed design), capped at 10 % of the optimizer steps
     # KL to the frozen starting policy (seed design; CS336 uses none). As a loss term the estimator's
     # gradient is what matters: k2 = 0.5 (log pi/ref)^2 gives the gradient of KL(pi || ref); k3 (the GRPO
     # paper's) gives the gradient of KL(ref || pi); k1 = log pi/ref has zero expected gradient (it
@@ -78,26 +90,15 @@ class GRPOConfig(PolicyUpdateConfig):
     truncation_threshold: float = Field(0.5, ge=0, le=1)
     stop_on_unhealthy: bool = False
 
-    @field_validator("loss_type")
+    @field_validator("loss_type", "advantage_estimator", "length_normalization", "kl_estimator")
     @classmethod
-    def _known_loss(cls, v: str) -> str:
-        if v not in policy_loss_names():
-            raise ValueError(f"unknown loss_type; expected one of {', '.join(policy_loss_names())}")
-        return v
-
-    @field_validator("length_normalization")
-    @classmethod
-    def _known_normalization(cls, v: str) -> str:
-        if v not in ("masked_mean", "masked_normalize", "token_mean"):
-            raise ValueError("expected one of masked_mean, masked_normalize, token_mean")
-        return v
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _known_kl(cls, v: str) -> str:
-        if v not in KL_ESTIMATORS:
-            raise ValueError(f"expected one of {', '.join(KL_ESTIMATORS)}")
-        return v
+    def _registered(cls, value: str, info) -> str:
+        """Names are checked against core's registries, so a new loss or estimator is one function."""
+        allowed = {"loss_type": policy_loss_names(), "advantage_estimator": advantage_estimator_names(),
+                   "length_normalization": LENGTH_NORMALIZATIONS, "kl_estimator": tuple(KL_ESTIMATORS)}[info.field_name]
+        if value not in allowed:
+            raise ValueError(f"unknown {info.field_name}; expected one of {', '.join(allowed)}")
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -117,68 +118,16 @@ class GRPOConfig(PolicyUpdateConfig):
         return self.epochs_per_rollout_batch > 1 or self.train_batch_size < self.rollout_batch_size
 
 
-# ---------------------------------------------------------------- the step's data
-
-
-@dataclass
-class RolloutBatch:
-    """One rollout batch: the exact sampled ids (right-padded, shifted) and what the update needs.
-    Per-token tensors are (batch, seq) in label positions; per-row ones are (batch,)."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    response_mask: torch.Tensor
-    raw_rewards: torch.Tensor
-    advantages: torch.Tensor
-    sampler_log_probs: torch.Tensor
-    sequences: list[tuple[list[int], list[int], int]]  # (prompt ids, response ids, prompt index) per row
-    pad_id: int
-    old_log_probs: torch.Tensor | None = None
-    ref_log_probs: torch.Tensor | None = None
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors ``take_rows`` slices: per-token ones and per-row ones as (batch, 1)."""
-        out = {"input_ids": self.input_ids, "labels": self.labels, "response_mask": self.response_mask,
-               "raw_rewards": self.raw_rewards.unsqueeze(1), "advantages": self.advantages.unsqueeze(1)}
-        for key in ("old_log_probs", "ref_log_probs"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
-
-
-def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
-    seqs = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
-    sampler_lp = torch.zeros(seqs["labels"].shape)
-    for i, r in enumerate(rollouts):
-        start = len(r.prompt_ids) - 1
-        sampler_lp[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs)
-    return RolloutBatch(seqs["input_ids"], seqs["labels"], seqs["response_mask"], raw_rewards, advantages, sampler_lp,
-                        [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts], pad_id)
-
-
 # ---------------------------------------------------------------- phases
 
 
 def group_advantages(raw_rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
     """Group-normalised rewards (zero-variance groups get exactly 0), optionally whitened."""
-    advantages = normalize_group_rewards(raw_rewards, cfg.group_size, cfg.advantage_eps, cfg.use_std_normalization)
+    advantages = compute_advantages(cfg.advantage_estimator, raw_rewards, cfg.group_size,
+                                    advantage_eps=cfg.advantage_eps, use_std_normalization=cfg.use_std_normalization)
     if cfg.whiten_advantages and len(advantages) > 1:
         advantages = whiten(advantages, torch.ones_like(advantages, dtype=torch.bool))
     return advantages
-
-
-@torch.inference_mode()
-def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float) -> torch.Tensor:
-    """Log-probs of every row of a rollout batch without gradients (old policy, reference)."""
-    tensors = batch.tensors()
-    out = torch.zeros(batch.labels.shape)
-    for start in range(0, len(batch.sequences), rows_per_pass):
-        rows = list(range(start, min(len(batch.sequences), start + rows_per_pass)))
-        mb = take_rows(tensors, rows, device)
-        with autocast():
-            lp = get_response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature)["log_probs"]
-        out[rows, : lp.shape[1]] = lp.float().cpu()
-    return out
 
 
 def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
@@ -192,30 +141,17 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
                                          temperature=temperature)
         lp = out["log_probs"].float()
         return mb, lp, out["token_entropy"], lp.detach().cpu()
-    distinct: dict[int, int] = {}
-    prompts, prompt_of_row = [], []
-    for r in live:
-        p_ids, _, p_index = batch.sequences[r]
-        if p_index not in distinct:
-            distinct[p_index] = len(prompts)
-            prompts.append(p_ids)
-        prompt_of_row.append(distinct[p_index])
-    p_lens = [len(batch.sequences[r][0]) for r in live]
-    r_lens = [len(batch.sequences[r][1]) for r in live]
     with autocast():
-        out = shared_prefix_response_log_probs(model, prompts, [batch.sequences[r][1] for r in live], prompt_of_row,
-                                               batch.pad_id, device, return_token_entropy=True, temperature=temperature)
-    index = torch.tensor(live)
+        out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
+                                 return_token_entropy=True)
+    p_lens, r_lens, index = out["prompt_lengths"], out["response_lengths"], torch.tensor(live)
     mb = {"response_mask": out["response_mask"], "advantages": tensors["advantages"][index].to(device),
           "raw_rewards": tensors["raw_rewards"][index].to(device)}
     for key in ("old_log_probs", "ref_log_probs"):
         if key in tensors:
             mb[key] = label_to_response_layout(tensors[key][index], p_lens, r_lens).to(device)
     lp = out["log_probs"].float()
-    label_lp = torch.zeros(len(live), tensors["labels"].shape[1])
-    for j in range(len(live)):
-        label_lp[j, p_lens[j] - 1 : p_lens[j] - 1 + r_lens[j]] = lp[j, : r_lens[j]].detach().cpu()
-    return mb, lp, out["token_entropy"], label_lp
+    return mb, lp, out["token_entropy"], response_to_label_layout(lp, p_lens, r_lens, tensors["labels"].shape[1])
 
 
 def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg: GRPOConfig, contributes: torch.Tensor,
@@ -346,6 +282,16 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update: Update, group
     return m
 
 
+def log_step(run: Run, health: HealthMonitor, update: Update, m: dict, last_reward_error, step: int) -> None:
+    """One record per optimizer step (the rollout figures on the first), then the health check."""
+    for i, record in enumerate(update.records or [{"grpo_step": step}]):
+        run.log({**record, **(m if i == 0 else {})})
+    figures = {k[7:]: v for k, v in m.items() if k.startswith("health/")}
+    for message in health.update({**figures, "reward_mean": m["train/reward"], "last_reward_error": last_reward_error}):
+        run.bar.write(f"grpolab health: {message}")
+    run.bar.set_postfix(reward=f"{m['train/reward']:.3f}")
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -353,8 +299,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
     """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
     ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     inputs = load_inputs(cfg)
-    with Run(cfg, step_key="grpo_step", total_steps=cfg.n_grpo_steps, resume=resume, overwrite=overwrite,
-             model=model, tokenizer=tokenizer, desc="GRPO") as run:
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
+             check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
         ref_model = run.track("reference_model", frozen_copy(model)) if cfg.kl_coef > 0 else None
@@ -400,12 +346,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             m.update({"health/reward_errors": scorer.errors - errors_before, "health/nonfinite_steps": run.nonfinite_steps,
                       "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t1,
                       "time/tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(time.perf_counter() - t0, 1e-9)})
-            for i, record in enumerate(update.records or [{"grpo_step": step}]):
-                run.log({**record, **(m if i == 0 else {})})
-            for message in health.update({**{k[7:]: v for k, v in m.items() if k.startswith("health/")},
-                                          "reward_mean": m["train/reward"], "last_reward_error": scorer.last_error}):
-                run.bar.write(f"grpolab health: {message}")
-            run.bar.set_postfix(reward=f"{m['train/reward']:.3f}")
+            log_step(run, health, update, m, scorer.last_error, step)
             run.end_step(step + 1, validate)
 
         after = validate(cfg.n_grpo_steps)

@@ -39,24 +39,23 @@ from .batching import ExampleSampler, optimizer_batches, plan_microbatches, take
 from .config import PolicyUpdateConfig
 from .inputs import load_inputs
 from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .resources import check_sampled_inputs
 from .run import Run, TrainResult, frozen_copy, validation
 
 
 class PPOConfig(PolicyUpdateConfig):
-    command = "ppo"
+    command, steps_field, step_key = "ppo", "n_ppo_steps", "ppo_step"
+    # PPO's own defaults for the fields it shares with GRPO: 64 responses per step, one per question
+    # (group_size 1: plain PPO), minibatches of 32, whitened advantages, and the seed design's KL:
+    # 0.2, adaptive within [0.1, 0.3] toward a summed per-sequence KL of 6 (Ziegler et al.); 0 = no KL.
+    method_defaults = dict(rollout_batch_size=64, group_size=1, train_batch_size=32, gradient_accumulation_steps=1,
+                           warmup_steps=0, whiten_advantages=True, kl_coef=0.2, kl_adaptive=True, kl_target=6.0)
     n_ppo_steps: int = Field(100, ge=1)
-    rollout_batch_size: int = Field(64, ge=1)
-    group_size: int = Field(1, ge=1)  # responses per question (1: plain PPO)
     ppo_epochs: int = Field(4, ge=1)
-    train_batch_size: int = Field(32, ge=1)  # minibatch
     cliprange_value: float | None = Field(0.2, gt=0)
     vf_coef: float = Field(0.1, ge=0)
     gamma: float = Field(0.99, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    whiten_advantages: bool = True
-    kl_coef: float = Field(0.2, ge=0)  # the seed design: 0.2, adaptive within [0.1, 0.3]; 0 = no KL at all
-    kl_adaptive: bool = True
-    kl_target: float = Field(6.0, gt=0)  # summed per-sequence KL the controller aims at (Ziegler et al.)
     run_dir: str = "runs/ppo"
 
 
@@ -170,8 +169,8 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
 def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run PPO as configured; ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     inputs = load_inputs(cfg)
-    with Run(cfg, step_key="ppo_step", total_steps=cfg.n_ppo_steps, resume=resume, overwrite=overwrite,
-             model=model, tokenizer=tokenizer, desc="PPO") as run:
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
+             check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer
         policy = PolicyWithValue(model, cfg.policy_temperature).to(run.device)
         run.track("value_head", policy.value_head)

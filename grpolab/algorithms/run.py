@@ -134,13 +134,14 @@ def clear_run_dir(path: Path) -> None:
 
 
 class Run:
-    """See the module docstring. ``step_key`` names the trainer's outer step in the metrics
-    (``grpo_step``, ``ppo_step``, ...); ``total_steps`` is its length."""
+    """See the module docstring. The config's ``step_key`` names the trainer's outer step in the
+    metrics (``grpo_step``, ``ppo_step``, ...) and ``total_steps`` is its length; ``check_inputs(model,
+    tokenizer, device)`` runs once the model is loaded, before the run directory is touched."""
 
-    def __init__(self, cfg, *, step_key: str, total_steps: int, resume: bool = False, overwrite: bool = False,
-                 model=None, tokenizer=None, desc: str = ""):
+    def __init__(self, cfg, *, resume: bool = False, overwrite: bool = False, model=None, tokenizer=None,
+                 check_inputs=None):
         self.wall = time.perf_counter()
-        self.cfg, self.step_key, self.total_steps = cfg, step_key, total_steps
+        self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
         check_run_dir(self.path, resume, overwrite)
         self.ckpts = CheckpointManager(self.path / "checkpoints", cfg.keep_last)
@@ -158,13 +159,15 @@ class Run:
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = resolve_device(cfg.device)
         if self.resumed_from is not None:
-            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from))
+            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code)
         elif model is None:
-            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
         if cfg.disable_dropout:
             disable_dropout(model)
         self.model, self.tokenizer = model.to(self.device).train(), tokenizer
         self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
+        if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
+            check_inputs(self.model, self.tokenizer, self.device)
         # inputs are valid and the model loaded: only now is the directory touched
         if overwrite and not resume:
             clear_run_dir(self.path)
@@ -189,7 +192,7 @@ class Run:
         self._old_sigint = None
         if threading.current_thread() is threading.main_thread():
             self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
-        self.bar = progress(total_steps, desc or step_key.split("_")[0].upper(), cfg.show_progress, initial=self.step)
+        self.bar = progress(self.total_steps, cfg.command.upper(), cfg.show_progress, initial=self.step)
 
     # ------------------------------------------------------------ state
 
@@ -242,6 +245,14 @@ class Run:
                            f"finite (loss {loss}, grad norm {result.grad_norm}); {self.nonfinite_steps} skipped so far. "
                            "Lower learning_rate, use float32, or check the rewards and advantage_eps.")
         return result
+
+    def log_update(self, record: dict[str, Any], result: StepResult, optimizer=None) -> None:
+        """Log one optimizer step's record with its gradient norm, learning rate and the count of
+        skipped (non-finite) steps so far."""
+        extra = {"train/grad_norm": result.grad_norm, "health/nonfinite_steps": self.nonfinite_steps}
+        if optimizer is not None:
+            extra["train/lr"] = float(optimizer.param_groups[0]["lr"])
+        self.log({**record, **extra})
 
     def validate(self, step: int, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run ``evaluate()`` and log its figures as ``eval/*`` with ``eval_step`` and the outer step."""

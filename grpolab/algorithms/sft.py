@@ -20,12 +20,13 @@ from ..rollout import make_backend
 from .batching import ExampleSampler, plan_microbatches
 from .config import SampledRunConfig
 from .inputs import load_sft_inputs
-from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .optimization import effective_warmup, make_optimizer, make_scheduler
+from .resources import check_sampled_inputs
 from .run import Run, TrainResult, validation
 
 
 class SFTConfig(SampledRunConfig):
-    command = "sft"
+    command, steps_field, step_key = "sft", "n_sft_steps", "sft_step"
     filter_correct: bool = False
     max_examples: int | None = Field(None, ge=1)
     # --- optimisation
@@ -87,8 +88,8 @@ def accumulate_sft_gradient(model, sequences: list[tuple[list[int], list[int]]],
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
     pairs, inputs = sft_pairs(cfg)
-    with Run(cfg, step_key="sft_step", total_steps=cfg.n_sft_steps, resume=resume, overwrite=overwrite,
-             model=model, tokenizer=tokenizer, desc="SFT") as run:
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
+             check_inputs=check_sampled_inputs(inputs, cfg, check_train=False)) as run:
         model, tokenizer = run.model, run.tokenizer
         sequences, pad_id = tokenize_pairs(pairs, tokenizer), pad_token_id(tokenizer)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
@@ -105,9 +106,8 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
             loss, nll, tok = accumulate_sft_gradient(model, batch, cfg.gradient_accumulation_steps, cfg.normalize_constant,
                                                      pad_id, run.device, run.autocast)
             result = run.optimizer_step(optimizer, scheduler, loss)
-            run.log({"train_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0),
-                     "train/grad_norm": result.grad_norm, "train/lr": current_lr(optimizer),
-                     "health/nonfinite_steps": run.nonfinite_steps})
+            run.log_update({"train_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0)}, result,
+                           optimizer)
             run.train_step = step + 1
             run.bar.set_postfix(nll=f"{nll / max(tok, 1.0):.3f}")
             run.end_step(step + 1, validate)

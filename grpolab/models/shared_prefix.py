@@ -99,3 +99,33 @@ def label_to_response_layout(tensor: torch.Tensor, prompt_lengths: list[int], re
     out = tensor.gather(1, idx.to(tensor.device))
     valid = torch.arange(t_resp)[None, :] < torch.tensor(response_lengths)[:, None]
     return torch.where(valid.to(tensor.device), out, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+
+def response_to_label_layout(values: torch.Tensor, prompt_lengths: list[int], response_lengths: list[int],
+                             width: int) -> torch.Tensor:
+    """The inverse of ``label_to_response_layout``: (R, Tr) response layout -> (R, width) label
+    layout, zeros elsewhere."""
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype)
+    for j, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        out[j, p - 1 : p - 1 + r] = values[j, :r].detach().cpu()
+    return out
+
+
+def shared_prefix_rows(model, sequences: list[tuple[list[int], list[int], int]], rows: list[int], pad_id: int,
+                       device, *, temperature: float = 1.0, return_token_entropy: bool = False) -> dict:
+    """``shared_prefix_response_log_probs`` for ``rows`` of a rollout batch whose ``sequences[r]``
+    is (prompt ids, response ids, prompt index): each distinct prompt index is run once. Adds the
+    rows' ``prompt_lengths`` and ``response_lengths`` for re-laying per-token tensors."""
+    distinct: dict[int, int] = {}
+    prompts, prompt_of_row = [], []
+    for r in rows:
+        p_ids, _, p_index = sequences[r]
+        if p_index not in distinct:
+            distinct[p_index] = len(prompts)
+            prompts.append(p_ids)
+        prompt_of_row.append(distinct[p_index])
+    out = shared_prefix_response_log_probs(model, prompts, [sequences[r][1] for r in rows], prompt_of_row, pad_id,
+                                           device, return_token_entropy, temperature=temperature)
+    out["prompt_lengths"] = [len(sequences[r][0]) for r in rows]
+    out["response_lengths"] = [len(sequences[r][1]) for r in rows]
+    return out

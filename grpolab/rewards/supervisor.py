@@ -137,7 +137,10 @@ class WorkerPool:
 
     def run(self, items: list[tuple[str, Any]], timeout_s: float | None, max_restarts: int) -> list[Any]:
         """One entry per item: a score dict, or an error message string. Raises ``WorkerStartError``
-        only when the reward cannot be loaded in a worker at all (the caller falls back)."""
+        only when the reward cannot be loaded in a worker at all (the caller falls back).
+
+        Long on purpose: dispatch, restart and give-up share the batch's queues and restart count,
+        and reading them as closures over one batch is clearer than a class of their own."""
         results: list[Any] = [None] * len(items)
         if not items:
             return results

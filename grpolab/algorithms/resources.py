@@ -1,0 +1,112 @@
+"""Resources bounded up front: every prompt must fit the model's context with room for the
+response, and the rollout's KV cache must fit the memory the machine has — checked after the
+model is loaded and before the run directory is touched, so a run that cannot work fails in one
+line instead of hours later."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..data import DataError
+
+
+def context_length(model) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompt_lengths(examples: list, template, tokenizer, model, max_new_tokens: int, on_error: str = "raise") -> list:
+    """Examples whose prompt plus ``max_new_tokens`` fits the model's context. A longer one is an
+    error naming where it came from (``file:line``), or — with ``on_error="skip"`` — dropped,
+    counted and reported once on stderr."""
+    limit = context_length(model)
+    if limit is None or not examples:
+        return examples
+    prompts = [template.format(e.question) for e in examples]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    kept, dropped = [], []
+    for example, n in zip(examples, lengths):
+        if n + max_new_tokens <= limit:
+            kept.append(example)
+            continue
+        where = (getattr(example, "meta", None) or {}).get("source", "a training example")
+        problem = (f"{where}: the prompt is {n} tokens; with sampling_max_tokens {max_new_tokens} it exceeds the "
+                   f"model's context of {limit} tokens")
+        if on_error != "skip":
+            raise DataError(problem + " (shorten it, lower sampling_max_tokens, or set data_on_error: skip)")
+        dropped.append(problem)
+    if dropped:
+        print(f"grpolab: skipped {len(dropped)} example(s) whose prompt does not fit the context; first: {dropped[0]}",
+              file=sys.stderr)
+    if not kept:
+        raise DataError(f"no example fits the model's context of {limit} tokens: {dropped[0]}")
+    return kept
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rollout_memory_bytes(model, rows: int, tokens: int) -> int:
+    """Estimated peak memory of sampling ``rows`` sequences of ``tokens`` tokens: the KV cache
+    (2 x layers x kv heads x head dim per token) plus one row of logits per sequence, in the
+    model's dtype and float32 respectively."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 1)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 1)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    width = next(model.parameters()).element_size()
+    kv = 2 * layers * kv_heads * head_dim * width * rows * tokens
+    logits = 4 * rows * getattr(cfg, "vocab_size", 1)
+    return kv + logits
+
+
+def check_rollout_memory(model, device: torch.device, max_batch_size: int, longest_prompt: int, max_new_tokens: int) -> None:
+    """Refuse a rollout batch whose KV cache cannot fit the free memory (``GRPOLAB_MEMORY_BYTES``
+    overrides the detected amount, e.g. to plan for another machine)."""
+    override = os.environ.get("GRPOLAB_MEMORY_BYTES")
+    free = int(override) if override else available_memory_bytes(device)
+    need = rollout_memory_bytes(model, max_batch_size, longest_prompt + max_new_tokens)
+    if free is not None and need > free:
+        raise DataError(f"sampling {max_batch_size} sequences of up to {longest_prompt + max_new_tokens} tokens needs about "
+                        f"{need / 2**30:.1f} GiB for the KV cache, but {device} has {free / 2**30:.1f} GiB free: lower "
+                        "rollout_max_batch_size or sampling_max_tokens")
+
+
+def check_sampled_inputs(inputs, cfg, check_train: bool = True):
+    """The ``Run`` hook of a trainer that samples: prompts fit the context (training and
+    validation examples; too-long ones are an error, or skipped with ``data_on_error: skip``) and
+    the rollout batch fits memory. Returns ``check(model, tokenizer, device)``."""
+
+    def check(model, tokenizer, device) -> None:
+        if check_train:
+            inputs.train = check_prompt_lengths(inputs.train, inputs.template, tokenizer, model, cfg.sampling_max_tokens,
+                                                cfg.data_on_error)
+        if inputs.evals:
+            inputs.evals = check_prompt_lengths(inputs.evals, inputs.template, tokenizer, model, cfg.sampling_max_tokens,
+                                                cfg.data_on_error)
+        sample = (inputs.train if check_train else inputs.evals)[:1000]
+        if sample:
+            ids = tokenizer([inputs.template.format(e.question) for e in sample], add_special_tokens=False)["input_ids"]
+            check_rollout_memory(model, device, cfg.rollout_max_batch_size, max(len(i) for i in ids), cfg.sampling_max_tokens)
+
+    return check
