@@ -24,7 +24,9 @@ import time
 
 import torch
 
-from grpolab.algorithms.grpo import GRPOConfig, accumulate_policy_gradient, make_rollout_batch
+from grpolab.algorithms.grpo import GRPOConfig
+from grpolab.algorithms.gradients import accumulate_policy_gradient
+from grpolab.algorithms.batching import make_rollout_batch
 from grpolab.algorithms.optimization import make_optimizer, optimizer_step
 from grpolab.core import normalize_group_rewards
 from grpolab.models import build_char_tokenizer, build_tiny_model

@@ -189,18 +189,30 @@ def eval_cmd(
 def compare(
     run_dir: Path = typer.Option(Path("runs/compare"), "--run-dir", help="Where report.md/.json/.png go."),
     seed: int = typer.Option(0, "--seed"),
-    steps: int = typer.Option(100, "--steps", help="RL steps of 128 responses; the sample budget is steps x 128."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Budget in RL steps of 128 responses (default 100; 40 with --variants)."),
     k: int = typer.Option(4, "--k", help="Samples per held-out question."),
     test_examples: int = typer.Option(200, "--test-examples"),
     ei: bool = typer.Option(False, "--ei", help="Also run expert iteration."),
     warm_steps: Optional[int] = typer.Option(None, "--warm-steps", help="Override the warm-start SFT length."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="GRPO variants side by side, e.g. grpo,dr_grpo,dapo,gspo,cispo,rloo."),
+    seeds: int = typer.Option(3, "--seeds", help="With --variants: seeds (warm starts) per variant."),
 ) -> None:
-    """MLE vs PPO vs GRPO (and optionally expert iteration) from one warm start, equal sample budgets."""
+    """MLE vs PPO vs GRPO (and optionally expert iteration) from one warm start, equal sample budgets;
+    or, with --variants, GRPO variants over several seeds."""
     _quiet_hf()
-    from .compare import run_compare
-
     try:
-        run_compare(run_dir, seed=seed, steps=steps, k=k, test_examples=test_examples, include_ei=ei, warm_steps=warm_steps)
+        if variants is not None:
+            from .variants import parse_variants, run_variants
+
+            if seeds < 1:
+                raise ValueError(f"--seeds must be at least 1, got {seeds}")
+            run_variants(run_dir, parse_variants(variants), seeds=seeds, steps=steps or 40,
+                         warm_steps=warm_steps or 200, test_examples=test_examples)
+            return
+        from .compare import run_compare
+
+        run_compare(run_dir, seed=seed, steps=steps or 100, k=k, test_examples=test_examples, include_ei=ei,
+                    warm_steps=warm_steps)
     except _user_errors() as exc:
         _fail(str(exc))
 

@@ -151,5 +151,6 @@ def test_grpo_estimator_is_normalize_group_rewards_with_cs336_defaults():
 
 
 def test_unknown_advantage_estimator_lists_registered_names():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'rloo'; expected one of grpo"):
-        compute_advantages("rloo", torch.zeros(4), 2)
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'vtrace'; expected one of grpo, rloo, "
+                                         r"reinforce_plus_plus$"):
+        compute_advantages("vtrace", torch.zeros(4), 2)

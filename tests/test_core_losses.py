@@ -12,6 +12,7 @@ from grpolab.core import (
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
     compute_value_loss,
+    entropy_bonus_loss,
     policy_loss_names,
     register_policy_loss,
     unregister_policy_loss,
@@ -110,9 +111,13 @@ def test_loss_gradchecks():
 
 
 # ---------------------------------------------------------------- the policy-loss registry
-def test_registered_loss_names_are_the_cs336_four():
+BUILTIN_LOSSES = LOSS_TYPES + ("gspo", "cispo", "sapo")
+
+
+def test_registered_loss_names_start_with_the_cs336_four():
     cs336 = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
-    assert policy_loss_names() == cs336 == LOSS_TYPES
+    assert cs336 == LOSS_TYPES
+    assert policy_loss_names() == BUILTIN_LOSSES
 
 
 def test_a_registered_loss_is_reached_by_compute_policy_gradient_loss():
@@ -134,7 +139,7 @@ def test_a_registered_loss_is_reached_by_compute_policy_gradient_loss():
             register_policy_loss("my_loss")(my_loss)
     finally:
         assert unregister_policy_loss("my_loss") is my_loss
-    assert policy_loss_names() == LOSS_TYPES
+    assert policy_loss_names() == BUILTIN_LOSSES
     with pytest.raises(ValueError, match="my_loss"):
         compute_policy_gradient_loss(lp, "my_loss", advantages=torch.tensor([0.5]))
 
@@ -143,7 +148,8 @@ def test_unknown_loss_type_lists_the_registered_names():
     with pytest.raises(ValueError) as err:
         compute_policy_gradient_loss(torch.zeros(1, 1), "ppo_magic", advantages=torch.zeros(1))
     assert str(err.value) == (
-        "unknown loss_type 'ppo_magic'; expected one of no_baseline, reinforce_with_baseline, grpo_clip, grpo_no_clip"
+        "unknown loss_type 'ppo_magic'; expected one of no_baseline, reinforce_with_baseline, grpo_clip, grpo_no_clip, "
+        "gspo, cispo, sapo"
     )
 
 
@@ -156,3 +162,42 @@ def test_builtin_losses_ignore_extra_options():
         plain, _ = compute_policy_gradient_loss(lp, loss_type, **kwargs)
         extra, _ = compute_policy_gradient_loss(lp, loss_type, **kwargs, response_mask=mask)
         assert torch.equal(plain, extra)
+
+
+# ---------------------------------------------------------------- PPO dual-clip (Ye et al. 2020)
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    # ratios 5, 2, 0.5 for A = -1, and 5 for A = +1; eps 0.2, c = 3
+    lp = torch.tensor([[math.log(5.0), math.log(2.0), math.log(0.5)], [math.log(5.0)] * 3], requires_grad=True)
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([[-1.0], [1.0]])
+    plain, _ = compute_grpo_clip_loss(adv, lp, old, 0.2)
+    loss, meta = compute_grpo_clip_loss(adv, lp, old, 0.2, dual_clip_c=3.0)
+    # A<0: max(-rA, -clip(r)A) = [5, 2, 0.8] -> capped at -cA = 3: [3, 2, 0.8]; A>0 unchanged: -min(5, 1.2) = -1.2
+    assert plain[0].tolist() == pytest.approx([5.0, 2.0, 0.8])
+    assert loss[0].tolist() == pytest.approx([3.0, 2.0, 0.8])
+    assert loss[1].tolist() == pytest.approx([-1.2] * 3) and torch.equal(loss[1], plain[1])
+    assert meta["dual_clipped"].tolist() == [[True, False, False], [False] * 3]
+    assert meta["clipped"].tolist() == [[True, False, True], [True] * 3]  # gradient cut: dual or ordinary clip
+    loss[0].sum().backward()
+    # d(-r A)/dlp = r for the unclipped token; the capped and the clipped tokens have none
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0])
+
+
+def test_dual_clip_through_the_registry_and_off_by_default():
+    lp = torch.tensor([[math.log(5.0)]])
+    kwargs = {"advantages": torch.tensor([-2.0]), "old_log_probs": torch.zeros(1, 1), "cliprange": 0.2}
+    assert compute_policy_gradient_loss(lp, "grpo_clip", **kwargs)[0].item() == pytest.approx(10.0)
+    assert compute_policy_gradient_loss(lp, "grpo_clip", **kwargs, dual_clip_c=None)[0].item() == pytest.approx(10.0)
+    loss, meta = compute_policy_gradient_loss(lp, "grpo_clip", **kwargs, dual_clip_c=3.0)
+    assert loss.item() == pytest.approx(6.0) and meta["dual_clipped"].all()
+    with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
+        compute_policy_gradient_loss(lp, "grpo_clip", **kwargs, dual_clip_c=1.0)
+
+
+# ---------------------------------------------------------------- entropy bonus
+def test_entropy_bonus_loss_by_hand():
+    h = torch.tensor([[0.5, 2.0]], requires_grad=True)
+    bonus = entropy_bonus_loss(h, 0.1)
+    assert bonus[0].tolist() == pytest.approx([-0.05, -0.2])
+    bonus.sum().backward()
+    assert h.grad[0].tolist() == pytest.approx([-0.1, -0.1])

@@ -42,5 +42,5 @@ def test_init_only_re_exports():
 
 
 def test_registries_hold_the_builtins():
-    assert grpolab.core.policy_loss_names() == grpolab.core.LOSS_TYPES
-    assert grpolab.core.advantage_estimator_names() == ("grpo",)
+    assert grpolab.core.policy_loss_names() == grpolab.core.LOSS_TYPES + ("gspo", "cispo", "sapo")
+    assert grpolab.core.advantage_estimator_names() == ("grpo", "rloo", "reinforce_plus_plus")

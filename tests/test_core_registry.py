@@ -18,9 +18,11 @@ from grpolab.core import (
     unregister_policy_loss,
 )
 
+BUILTIN_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+
 
 def test_names_are_tuples_in_registration_order():
-    assert advantage_estimator_names() == ("grpo",)
+    assert advantage_estimator_names() == BUILTIN_ESTIMATORS
     assert isinstance(policy_loss_names(), tuple) and policy_loss_names()[0] == "no_baseline"
     assert tuple(POLICY_LOSSES) == policy_loss_names()
     assert tuple(ADVANTAGE_ESTIMATORS) == advantage_estimator_names()
@@ -35,7 +37,7 @@ def test_register_and_unregister_an_advantage_estimator():
         return (grouped - baseline).reshape(-1)
 
     try:
-        assert advantage_estimator_names() == ("grpo", "loo_mean")
+        assert advantage_estimator_names() == BUILTIN_ESTIMATORS + ("loo_mean",)
         adv = compute_advantages("loo_mean", torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), 3, advantage_eps=0.0)
         assert torch.allclose(adv, torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
         with pytest.raises(ValueError, match="already registered"):
@@ -44,8 +46,8 @@ def test_register_and_unregister_an_advantage_estimator():
         assert get_advantage_estimator("loo_mean") is replacement
     finally:
         unregister_advantage_estimator("loo_mean")
-    assert advantage_estimator_names() == ("grpo",)
-    with pytest.raises(ValueError, match="unknown advantage estimator 'loo_mean'; expected one of grpo"):
+    assert advantage_estimator_names() == BUILTIN_ESTIMATORS
+    with pytest.raises(ValueError, match="unknown advantage estimator 'loo_mean'; expected one of grpo, rloo, "):
         unregister_advantage_estimator("loo_mean")
 
 

@@ -161,3 +161,100 @@ def test_train_step_passes_response_mask_to_the_loss():
     finally:
         unregister_policy_loss("test_sequence_level")
     assert loss.item() == pytest.approx(4.0)
+
+
+# ---------------------------------------------------------------- entropy bonus, loss options
+def test_entropy_bonus_in_the_train_step_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    h = torch.tensor([[1.0, 2.0, 9.0]], requires_grad=True)
+    m = torch.tensor([[True, True, False]])
+    loss, meta = grpo_microbatch_train_step(lp, m, 1, "reinforce_with_baseline", advantages=torch.tensor([0.0]),
+                                            token_entropy=h, entropy_coef=0.5)
+    # -0.5 * H over the 2 response tokens: -(0.5 + 1.0) / 2 = -0.75; d/dH = -0.5 / 2 per response token
+    assert loss.item() == pytest.approx(-0.75)
+    assert h.grad[0].tolist() == pytest.approx([-0.25, -0.25, 0.0])
+    assert meta["entropy"].item() == pytest.approx(1.5)
+    # coef 0: only measured
+    h.grad = None
+    loss, meta = grpo_microbatch_train_step(lp, m, 1, "reinforce_with_baseline", advantages=torch.tensor([0.0]),
+                                            token_entropy=h)
+    assert loss.item() == 0.0 and h.grad is None and meta["entropy"].item() == pytest.approx(1.5)
+
+
+def test_entropy_bonus_gradient_matches_the_entropy_gradient():
+    """dH/dz_v = -p_v (log p_v + H) for softmax logits z: the bonus adds -coef * that, averaged."""
+    from grpolab.core import compute_entropy
+
+    torch.manual_seed(0)
+    z = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 4, (2, 3))
+    m = torch.tensor([[True, True, True], [True, False, False]])
+    grpo_microbatch_train_step(_policy_log_probs(z, tokens), m, 1, "reinforce_with_baseline",
+                               advantages=torch.zeros(2, dtype=torch.float64), token_entropy=compute_entropy(z),
+                               entropy_coef=0.1)
+    p = torch.softmax(z.detach(), -1)
+    h = -(p * p.log()).sum(-1, keepdim=True)
+    d_h = -p * (p.log() + h)
+    weight = m.double() / m.sum(-1, keepdim=True) / 2  # masked_mean per row, then mean over 2 rows
+    assert torch.allclose(z.grad, -0.1 * weight[..., None] * d_h, atol=1e-12)
+
+
+def test_loss_options_reach_the_loss():
+    lp = torch.tensor([[math.log(5.0)]], requires_grad=True)
+    m = torch.tensor([[True]])
+    kwargs = {"advantages": torch.tensor([-1.0]), "old_log_probs": torch.zeros(1, 1), "cliprange": 0.2}
+    loss, meta = grpo_microbatch_train_step(lp, m, 1, "grpo_clip", **kwargs, loss_options={"dual_clip_c": 3.0})
+    assert loss.item() == pytest.approx(3.0) and meta["dual_clip_fraction"].item() == 1.0
+    assert lp.grad.item() == 0.0
+    loss, meta = grpo_microbatch_train_step(lp, m, 1, "grpo_clip", **kwargs)
+    assert loss.item() == pytest.approx(5.0) and "dual_clip_fraction" not in meta
+
+
+# ---------------------------------------------------------------- micro-batch invariance of the new terms
+NEW_TERMS = {
+    "gspo": ("gspo", {}, False),
+    "cispo": ("cispo", {"cispo_low": 0.1}, False),
+    "sapo": ("sapo", {"sapo_tau_pos": 1.0, "sapo_tau_neg": 2.0}, False),
+    "dual_clip": ("grpo_clip", {"dual_clip_c": 1.5}, False),
+    "entropy_and_is": ("grpo_clip", {}, True),
+}
+
+
+@pytest.mark.parametrize("mode", ["masked_mean", "masked_normalize", "token_mean"])
+@pytest.mark.parametrize("case", list(NEW_TERMS))
+def test_new_losses_and_terms_are_microbatch_invariant(mode, case):
+    from grpolab.core import compute_entropy
+
+    loss_type, options, extras = NEW_TERMS[case]
+    torch.manual_seed(0)
+    B, T, V = 8, 6, 5
+    base = torch.randn(B, T, V, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T))
+    mask = torch.arange(T)[None, :] < torch.tensor([1, 6, 3, 2, 5, 4, 6, 1])[:, None]
+    adv = torch.randn(B, dtype=torch.float64)
+    old = _policy_log_probs(base + 0.5 * torch.randn_like(base), tokens).detach()
+    is_w = torch.rand(B, T, dtype=torch.float64) * 2
+
+    def grad_for(splits, use_global):
+        p = base.clone().requires_grad_(True)
+        start = 0
+        for size in splits:
+            sl = slice(start, start + size)
+            start += size
+            lp = _policy_log_probs(p[sl], tokens[sl])
+            extra = {}
+            if extras:
+                extra = {"token_entropy": compute_entropy(p[sl]), "entropy_coef": 0.05, "is_weights": is_w[sl]}
+            if use_global:
+                extra.update(global_num_tokens=mask.sum(), global_batch_size=B)
+            grpo_microbatch_train_step(
+                lp, mask[sl], len(splits), loss_type, advantages=adv[sl], old_log_probs=old[sl], cliprange=0.2,
+                length_normalization=mode, normalize_constant=float(T), loss_options=options, **extra,
+            )
+        return p.grad
+
+    full = grad_for([B], mode == "token_mean")
+    assert full.abs().sum() > 0
+    if mode != "token_mean":
+        assert torch.allclose(grad_for([2, 2, 2, 2], False), full, atol=1e-6)
+    assert torch.allclose(grad_for([1, 4, 3], True), full, atol=1e-6)

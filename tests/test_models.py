@@ -3,6 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.models import (
+    ModelLoadError,
     build_char_tokenizer,
     build_tiny_model,
     load_model,
@@ -75,5 +76,127 @@ def test_gradient_checkpointing_and_bad_dir(tmp_path):
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no such model directory"):
+    with pytest.raises(ModelLoadError, match="^model directory not found: .*missing"):
         load_model_and_tokenizer(str(tmp_path / "missing"))
+
+
+def _no_hub(monkeypatch):
+    """Any call into transformers' loaders fails the test: errors must come before them."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"from_pretrained called with {args} {kwargs}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("name", ["runs/sft/final", "final", "Qwen/Qwen2.5-Math-1.5B"])
+def test_a_relative_path_or_hub_name_that_is_not_a_directory_is_refused_offline(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    _no_hub(monkeypatch)
+    for load in (load_model_and_tokenizer, load_model, load_tokenizer):
+        with pytest.raises(ModelLoadError, match=f"^model directory not found: {name} ") as err:
+            load(name)
+        assert "\n" not in str(err.value)
+    (tmp_path / "final").write_text("a file, not a directory")
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        load_model("final")
+
+
+def test_a_directory_without_config_json_is_not_a_model(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hi")
+    for load in (load_model_and_tokenizer, load_model):
+        with pytest.raises(ModelLoadError, match=f"^no config.json in {tmp_path / 'notes'}"):
+            load(str(tmp_path / "notes"))
+
+
+class _Boom:
+    """Unpickling this touches a marker file: proof that a checkpoint was (not) unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_pickled_checkpoint_is_refused_for_safety(tmp_path):
+    model, tok = load_model_and_tokenizer("embedded:tiny")
+    out = save_model_and_tokenizer(model, tok, tmp_path / "m")
+    (out / "model.safetensors").unlink()
+    marker = tmp_path / "unpickled"
+    torch.save({"state": _Boom(marker)}, out / "pytorch_model.bin")
+    for load in (load_model_and_tokenizer, load_model):
+        with pytest.raises(ModelLoadError, match="^pickled checkpoint refused for safety: .* pytorch_model.bin") as err:
+            load(str(out))
+        assert "safe_serialization=True" in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
+    (out / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelLoadError, match="no model weights"):
+        load_model(str(out))
+
+
+def _custom_code_model(tmp_path):
+    """A model directory whose config asks for its own Python code (``auto_map``)."""
+    import json
+
+    model, tok = load_model_and_tokenizer("embedded:tiny")
+    out = save_model_and_tokenizer(model, tok, tmp_path / "custom")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["model_type"] = "grpolab_custom_llama"
+    cfg["auto_map"] = {"AutoConfig": "custom_llama.MyConfig", "AutoModelForCausalLM": "custom_llama.MyModel"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "custom_llama.py").write_text(
+        "import pathlib\n"
+        "pathlib.Path(__file__).with_name('CODE_RAN').touch()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class MyConfig(LlamaConfig):\n    model_type = 'grpolab_custom_llama'\n"
+        "class MyModel(LlamaForCausalLM):\n    config_class = MyConfig\n"
+    )
+    return out
+
+
+def test_remote_code_is_not_run_unless_asked(tmp_path, monkeypatch):
+    out = _custom_code_model(tmp_path)
+    with pytest.raises(ModelLoadError, match="trust_remote_code") as err:
+        load_model(str(out))
+    assert "\n" not in str(err.value)
+    assert not (out / "CODE_RAN").exists()
+    # opting in passes trust_remote_code=True (and local_files_only) through to transformers
+    import transformers
+
+    calls = []
+
+    def spy(path, **kwargs):
+        calls.append(kwargs)
+        return build_tiny_model("tiny")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    load_model(str(out), trust_remote_code=True)
+    assert calls == [dict(dtype=torch.float32, use_safetensors=True, local_files_only=True, trust_remote_code=True)]
+    calls.clear()
+    load_model(str(out))
+    assert calls[0]["trust_remote_code"] is False
+
+
+def test_the_cli_reports_a_model_error_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from grpolab.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "nope"), "--data", "task:arithmetic"])
+    assert result.exit_code == 2, result.output
+    assert f"model directory not found: {tmp_path / 'nope'}" in result.output
+
+
+def test_loading_lives_in_its_own_module():
+    import grpolab.models as models
+    from grpolab.models import loading
+
+    assert models.load_model is loading.load_model and issubclass(ModelLoadError, ValueError)
+    assert all(hasattr(models, name) for name in models.__all__)

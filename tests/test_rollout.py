@@ -103,9 +103,11 @@ def test_stop_string_kept_and_finish_reasons(lm):
     # multi-token stop string, checked on the decoded text
     r = backend.generate(["Q"], 1, SamplingParams(max_tokens=40, stop=["=2"]))[0]
     assert r.response == "1+1=2" and r.finish_reason == "stop"
-    # a stop string that ends inside a token keeps the whole token (the sampled ids are trained on)
+    # a stop string that ends inside a token: the text is cut right after the stop string, the ids
+    # keep the whole token (the sampled ids are trained on)
     r = backend.generate(["Q"], 1, SamplingParams(max_tokens=40, stop=["2</"]))[0]
-    assert r.response == "1+1=2</think>" and r.finish_reason == "stop"
+    assert r.response == "1+1=2</" and r.finish_reason == "stop"
+    assert tok.convert_ids_to_tokens(r.response_ids[-1:]) == ["</think>"] and len(r.response_ids) == 6
     # length
     r = backend.generate(["Q"], 2, SamplingParams(max_tokens=3, stop=["</answer>"]))[1]
     assert r.response == "1+1" and r.finish_reason == "length" and len(r.response_ids) == 3
@@ -128,6 +130,94 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="non-empty"):
+        SamplingParams(stop=[""])
+
+
+# Recorded from the sampler before the tempered-log-prob / stop-by-text / end-ids / top-p changes:
+# the default settings (T=1, top_p=1, a single-token stop) must keep drawing the same ids from the
+# same seed (same RNG consumption), so the demo's numbers do not move.
+PINNED_STOP = [
+    ([70, 67, 63, 73, 46, 24, 33, 73, 91, 64, 36, 48, 60, 101, 23, 101], "length"),
+    ([18, 95, 1, 75, 66, 68, 27, 33, 83, 24, 66, 20, 67, 36, 68, 0], "length"),
+    ([84, 77, 30, 13, 90, 33, 42, 58, 58, 75, 90, 32, 99, 3, 59, 53], "length"),
+    ([95, 46, 30, 2], "eos"),
+    ([39, 63, 14, 2], "eos"),
+    ([38, 30, 49, 4, 81, 39, 57, 99, 89, 32, 69, 12, 18, 18, 61, 84], "length"),
+    ([99, 23, 92, 69, 2], "eos"),
+    ([61, 56, 78, 99, 97, 95, 79, 86, 17, 49, 91, 18, 95, 84, 84, 37], "length"),
+    ([49, 0, 77, 42, 39, 7], "stop"),
+    ([81, 78, 100, 81, 45, 15, 18, 20, 41, 94, 19, 89, 40, 84, 18, 86], "length"),
+    ([68, 42, 4, 50, 75, 2], "eos"),
+    ([94, 95, 78, 52, 24, 14, 9, 21, 3, 15, 17, 53, 23, 73, 74, 38], "length"),
+]
+PINNED_PLAIN = [[84, 67, 36, 42, 10, 48], [96, 40, 38, 5, 84, 33], [103, 23, 41, 96, 26, 24],
+                [80, 61, 58, 43, 17, 78], [11, 102, 55, 12, 52, 90], [43, 57, 18, 30, 14, 44]]
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_default_sampling_draws_the_pinned_ids(lm, fast_path):
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok, fast_path=fast_path)
+    out = backend.generate(PROMPTS, 4, SamplingParams(max_tokens=16, min_tokens=1, stop=["</answer>"], seed=123))
+    assert [(r.response_ids, r.finish_reason) for r in out] == PINNED_STOP
+    assert out[8].response.endswith("</answer>")
+    out = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=6, seed=7))
+    assert [r.response_ids for r in out] == PINNED_PLAIN
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+@pytest.mark.parametrize("temperature,top_p", [(0.6, 1.0), (0.6, 0.8), (0.0, 1.0)])
+def test_sampler_logprobs_are_of_the_tempered_distribution(lm, fast_path, temperature, top_p):
+    """log_softmax(logits / T) at the sampled ids, before top-p; greedy (T = 0) records T = 1."""
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok, fast_path=fast_path)
+    out = backend.generate(PROMPTS, 2, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=10, seed=1))
+    scale = temperature if temperature > 0 else 1.0
+    model.eval()
+    for r in out:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+        ref = torch.log_softmax(logits / scale, dim=-1).gather(-1, torch.tensor(r.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    from grpolab.rollout.hf import _top_p_filter
+
+    probs = torch.tensor([[0.125, 0.5, 0.03125, 0.25, 0.09375]])
+
+    def kept(p):
+        return (_top_p_filter(probs, p) > 0)[0].tolist()
+
+    assert kept(0.875) == [True, True, False, True, False]  # 0.5 + 0.25 + 0.125 == p exactly: enough
+    assert kept(0.75) == [False, True, False, True, False]  # 0.5 + 0.25 == p exactly
+    assert kept(0.76) == [True, True, False, True, False]
+    assert kept(0.5) == [False, True, False, False, False]  # the first token's mass equals p
+    assert kept(0.3) == [False, True, False, False, False]  # the first token alone exceeds p
+    assert kept(0.999) == [True] * 5
+    assert torch.equal(_top_p_filter(probs, 0.75)[0, [1, 3]], probs[0, [1, 3]])  # kept mass unchanged
+
+
+def test_top_p_matches_hugging_face_top_p_warper():
+    from transformers import TopPLogitsWarper
+
+    from grpolab.rollout.hf import _top_p_filter
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for p in (0.1, 0.5, 0.8, 0.9, 0.95):
+        ours = _top_p_filter(torch.softmax(logits, -1), p) > 0
+        hf = TopPLogitsWarper(p)(None, logits.clone()) > float("-inf")
+        assert torch.equal(ours, hf), p
+
+
+def test_tiny_top_p_samples_the_greedy_ids(lm):
+    model, tok = lm
+    backend = HFRolloutBackend(model, tok)
+    greedy = backend.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_tokens=8))
+    nucleus = backend.generate(PROMPTS, 2, SamplingParams(top_p=1e-6, max_tokens=8, seed=3))
+    assert [r.response_ids for r in nucleus] == [r.response_ids for r in greedy for _ in range(2)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

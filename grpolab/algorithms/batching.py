@@ -123,12 +123,13 @@ class RolloutBatch:
     pad_id: int
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None  # sampler/trainer importance-sampling correction, per token
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors ``take_rows`` slices: per-token ones and per-row ones as (batch, 1)."""
         out = {"input_ids": self.input_ids, "labels": self.labels, "response_mask": self.response_mask,
                "raw_rewards": self.raw_rewards.unsqueeze(1), "advantages": self.advantages.unsqueeze(1)}
-        for key in ("old_log_probs", "ref_log_probs"):
+        for key in ("old_log_probs", "ref_log_probs", "is_weights"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

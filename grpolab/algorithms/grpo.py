@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -25,20 +26,12 @@ from ..core import (
     KL_ESTIMATORS,
     KL_LOSS_ESTIMATORS,
     LENGTH_NORMALIZATIONS,
-    get_response_log_probs,
-    grpo_microbatch_train_step,
     advantage_estimator_names,
     compute_advantages,
-    kl_k3,
+    importance_sampling_weights,
     pad_token_id,
     policy_loss_names,
     whiten,
-)
-from ..models.shared_prefix import (
-    label_to_response_layout,
-    response_to_label_layout,
-    shared_prefix_rows,
-    supports_shared_prefix,
 )
 from ..rewards import RewardScorer
 from ..rollout import make_backend
@@ -48,16 +41,16 @@ from .batching import (
     batched_log_probs,
     make_rollout_batch,
     optimizer_batches,
-    plan_microbatches,
-    take_rows,
 )
 from .config import PolicyUpdateConfig
+from .gradients import accumulate_policy_gradient
 from .health import HealthMonitor, rollout_health
 from .inputs import load_inputs
 from .metrics import plot_grpo_run
 from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
-from .run import Run, TrainResult, frozen_copy, validation
+from .run import ListState, Run, TrainResult, frozen_copy, validation
+from .sampling import sample_groups
 
 
 class GRPOConfig(PolicyUpdateConfig):
@@ -67,7 +60,8 @@ class GRPOConfig(PolicyUpdateConfig):
     # learning_rate 1e-5, cliprange 0.2 and warmup_steps 1000 come from PolicyUpdateConfig)
     n_grpo_steps: int = Field(200, ge=1)
     advantage_eps: float = Field(1e-6, ge=0)
-    advantage_estimator: str = "grpo"  # a name in core's advantage-estimator registry
+    advantage_estimator: str = "grpo"  # a name in core's advantage-estimator registry (grpo, rloo, reinforce_plus_plus)
+    group_baseline: bool = False  # reinforce_plus_plus: subtract the group mean first (REINFORCE++-baseline)
     epochs_per_rollout_batch: int = Field(1, ge=1)  # > 1 is off-policy; train_batch_size < rollout_batch_size too
     loss_type: str = "reinforce_with_baseline"  # a name in core's policy-loss registry
     use_std_normalization: bool = True
@@ -79,6 +73,24 @@ class GRPOConfig(PolicyUpdateConfig):
     # paper's) gives the gradient of KL(ref || pi); k1 = log pi/ref has zero expected gradient (it
     # regularises nothing as a loss, so it is refused here; PPO applies k1 as a reward penalty).
     kl_estimator: str = "k3"
+    # --- the 2026 family (each a registered core function or a documented trainer option)
+    scale_rewards: Literal["group", "batch", "none"] | None = None  # advantage scale; None: use_std_normalization
+    dual_clip_c: float | None = Field(None, gt=1)  # PPO dual-clip (Ye et al. 2020) on grpo_clip, e.g. 3.0
+    cispo_low: float | None = Field(None, gt=0)  # CISPO's lower clip of the IS weight (None: no lower bound)
+    sapo_tau_pos: float = Field(1.0, gt=0)  # SAPO gate temperatures for positive / negative advantages
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus: -entropy_coef * H per token
+    dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards vary (algorithms/sampling.py)
+    max_sampling_rounds: int = Field(3, ge=1)  # ... drawing at most this many prompt batches per step
+    mask_truncated_completions: bool = False  # responses cut at sampling_max_tokens leave the loss
+    overlong_buffer_len: int | None = Field(None, ge=1)  # DAPO soft overlong punishment over the last N tokens
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    # sampler/trainer correction: TIS caps the ratio pi_trainer/pi_sampler at the cap, MIS drops tokens
+    # (or sequences) whose ratio leaves [1/cap, cap]; off for the hf backend, whose sampler is the trainer
+    importance_sampling_correction: Literal["none", "tis", "mis"] = "none"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_cap: float = Field(2.0, gt=1)
+    max_rollout_samples: int | None = Field(None, ge=1)  # stop once this many responses were sampled (budgets)
     # --- speed and precision
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
@@ -113,6 +125,15 @@ class GRPOConfig(PolicyUpdateConfig):
                 "always 1, so clipping never acts; it equals reinforce_with_baseline", UserWarning, stacklevel=2)
         return self
 
+    def loss_options(self) -> dict:
+        """The selected loss's extra keywords (core's registered losses ignore the others)."""
+        options = {"sapo_tau_pos": self.sapo_tau_pos, "sapo_tau_neg": self.sapo_tau_neg}
+        if self.dual_clip_c is not None:
+            options["dual_clip_c"] = self.dual_clip_c
+        if self.cispo_low is not None:
+            options["cispo_low"] = self.cispo_low
+        return options
+
     @property
     def off_policy(self) -> bool:
         return self.epochs_per_rollout_batch > 1 or self.train_batch_size < self.rollout_batch_size
@@ -123,84 +144,35 @@ class GRPOConfig(PolicyUpdateConfig):
 
 def group_advantages(raw_rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
     """Group-normalised rewards (zero-variance groups get exactly 0), optionally whitened."""
-    advantages = compute_advantages(cfg.advantage_estimator, raw_rewards, cfg.group_size,
-                                    advantage_eps=cfg.advantage_eps, use_std_normalization=cfg.use_std_normalization)
+    options = {"advantage_eps": cfg.advantage_eps, "use_std_normalization": cfg.use_std_normalization,
+               "group_baseline": cfg.group_baseline}
+    if cfg.scale_rewards is not None:
+        options["scale_rewards"] = cfg.scale_rewards
+    advantages = compute_advantages(cfg.advantage_estimator, raw_rewards, cfg.group_size, **options)
     if cfg.whiten_advantages and len(advantages) > 1:
         advantages = whiten(advantages, torch.ones_like(advantages, dtype=torch.bool))
     return advantages
 
 
-def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
-                         temperature: float):
-    """(micro-batch tensors, log-probs, entropy, trainer log-probs in label layout) of rows ``live``.
-    With ``shared``, each distinct prompt is run once for all its responses (``models.shared_prefix``)."""
-    if not shared:
-        mb = take_rows(tensors, live, device)
-        with autocast():
-            out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
-                                         temperature=temperature)
-        lp = out["log_probs"].float()
-        return mb, lp, out["token_entropy"], lp.detach().cpu()
-    with autocast():
-        out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
-                                 return_token_entropy=True)
-    p_lens, r_lens, index = out["prompt_lengths"], out["response_lengths"], torch.tensor(live)
-    mb = {"response_mask": out["response_mask"], "advantages": tensors["advantages"][index].to(device),
-          "raw_rewards": tensors["raw_rewards"][index].to(device)}
-    for key in ("old_log_probs", "ref_log_probs"):
-        if key in tensors:
-            mb[key] = label_to_response_layout(tensors[key][index], p_lens, r_lens).to(device)
-    lp = out["log_probs"].float()
-    return mb, lp, out["token_entropy"], response_to_label_layout(lp, p_lens, r_lens, tensors["labels"].shape[1])
-
-
-def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg: GRPOConfig, contributes: torch.Tensor,
-                               kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None) -> dict[str, float]:
-    """Forward/backward one optimizer batch (``rows``) in micro-batches, leaving its gradient in
-    ``.grad``; returns summed figures for logging and, when given ``trainer_lp``, fills in the
-    trainer's log-probs of the trained rows (for the sampler/trainer mismatch check).
-
-    Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
-    losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
-    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed."""
-    tensors = batch.tensors()
-    mask_all = batch.response_mask[rows]
-    global_tokens = mask_all.sum().clamp(min=1)
-    lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
-    plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
-    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
-    shared = cfg.share_prompt_prefix and supports_shared_prefix(model)
-    normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
-    for plan in plans:
-        live = [rows[i] for i in plan if contributes[rows[i]]]
-        if not live:
-            continue
-        mb, log_probs, entropy, label_lp = microbatch_log_probs(model, tensors, batch, live, shared, device, autocast,
-                                                                cfg.policy_temperature)
-        if trainer_lp is not None:
-            trainer_lp[live, : label_lp.shape[1]] = label_lp
-        old = mb.get("old_log_probs", log_probs.detach())
-        # the global sizes set the loss scale, so the micro-batch count given here is not used
-        loss, meta = grpo_microbatch_train_step(
-            log_probs, mb["response_mask"], len(plans), cfg.loss_type,
-            raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
-            cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
-            length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
-            global_num_tokens=global_tokens, global_batch_size=len(rows),
-            ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
-        )
-        # figures stay on the device until the optimizer step: one sync per step, not per micro-batch
-        mask = mb["response_mask"]
-        n_tok = mask.sum()
-        sums["loss"] += loss
-        sums["tokens"] += n_tok
-        sums["entropy"] += (entropy.detach().float() * mask).sum()
-        sums["approx_kl"] += (kl_k3(old, log_probs.detach()) * mask).sum()
-        if "clip_fraction" in meta:
-            sums["clip"] += meta["clip_fraction"] * n_tok
-        if "kl" in meta:
-            sums["kl"] += meta["kl"] * n_tok
-    return {k: float(v) for k, v in sums.items()}
+def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, ref_model) -> dict[str, float]:
+    """Old-policy log-probs (off-policy, or for the sampler/trainer IS correction) and the reference
+    policy's, once per rollout batch; with the correction, the IS weights and their figures."""
+    rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
+    correct = cfg.importance_sampling_correction != "none"
+    if cfg.off_policy or correct:
+        batch.old_log_probs = batched_log_probs(run.model, batch, rows_per_pass, run.device, run.autocast,
+                                                cfg.policy_temperature)
+    if ref_model is not None:
+        batch.ref_log_probs = batched_log_probs(ref_model, batch, rows_per_pass, run.device, run.autocast,
+                                                cfg.policy_temperature)
+    if not correct:
+        return {}
+    batch.is_weights, stats = importance_sampling_weights(
+        batch.old_log_probs, batch.sampler_log_probs, batch.response_mask, mode=cfg.importance_sampling_correction,
+        level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap)
+    if not cfg.off_policy:
+        batch.old_log_probs = None  # on-policy: the ratio is computed against the current forward
+    return {f"train/{k}": float(v) for k, v in stats.items()}
 
 
 @dataclass
@@ -224,7 +196,9 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     trained = torch.full((n,), cfg.off_policy, dtype=torch.bool)
     signal = batch.raw_rewards if cfg.loss_type == "no_baseline" else batch.advantages
     has_tokens = batch.response_mask.any(1)  # an empty response never reaches the loss (0/0)
-    contributes = has_tokens & ((signal != 0) | (has_reference and kl_ctl.value > 0) | (not cfg.skip_zero_advantage))
+    # a row with zero advantage has zero gradient unless a KL or entropy term acts on it
+    regularised = (has_reference and kl_ctl.value > 0) or cfg.entropy_coef > 0
+    contributes = has_tokens & ((signal != 0) | regularised | (not cfg.skip_zero_advantage))
     shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     records, kl_values, stopped = [], [], False
     for epoch in range(cfg.epochs_per_rollout_batch):
@@ -246,7 +220,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
                 "train/loss": sums["loss"], "train/grad_norm": result.grad_norm, "train/token_entropy": sums["entropy"] / tok,
                 "train/clip_fraction": sums["clip"] / tok, "train/approx_kl_old_new": approx_kl,
                 "train/lr": current_lr(optimizer), "train/kl_coef": kl_ctl.value,
-                "train/rows_trained": int(contributes[rows].sum()), "health/nonfinite_steps": run.nonfinite_steps,
+                "train/rows_trained": int(contributes[rows].sum()), "train/tokens_trained": int(sums["tokens"]), "health/nonfinite_steps": run.nonfinite_steps,
             }
             if has_reference:
                 record["train/kl"] = sums["kl"] / tok
@@ -313,42 +287,45 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         health = run.track("health", HealthMonitor(cfg.health_window, cfg.truncation_threshold,
                                                    stop_on_unhealthy=cfg.stop_on_unhealthy))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
+        samples = run.track("samples_drawn", ListState([0]))
         backend = make_backend(cfg.rollout_backend, model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator)
-        pad_id, sampling, n_prompts = pad_token_id(tokenizer), cfg.sampling_params(), cfg.rollout_batch_size // cfg.group_size
+        pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
 
         for step in run.steps():
-            # 1. sample a group of responses per question and score them
+            # 1. sample a group of responses per question and score them (DAPO dynamic sampling optional)
             t0 = time.perf_counter()
-            examples = [inputs.train[i] for i in sampler.next(n_prompts)]
-            rollouts = backend.generate([inputs.template.format(e.question) for e in examples], cfg.group_size, sampling)
-            rollout_s = time.perf_counter() - t0
             errors_before = scorer.errors
-            scores = scorer.score([r.response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts])
-            raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+            groups = sample_groups(backend, scorer, sampler, inputs, cfg, sampling)
+            rollout_s = time.perf_counter() - t0
             # 2. advantages: the group-normalised reward
-            batch = make_rollout_batch(rollouts, raw_rewards, group_advantages(raw_rewards, cfg), pad_id)
-            # 3. old and reference log-probs, once per rollout batch (inference mode)
+            batch = make_rollout_batch(groups.rollouts, groups.rewards, group_advantages(groups.rewards, cfg), pad_id)
+            if cfg.mask_truncated_completions:  # responses cut at sampling_max_tokens leave the loss
+                batch.response_mask[[r.finish_reason == "length" for r in groups.rollouts]] = False
+            # 3. old and reference log-probs, once per rollout batch (inference mode); the IS correction
             t1 = time.perf_counter()
-            rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
-            if cfg.off_policy:
-                batch.old_log_probs = batched_log_probs(model, batch, rows_per_pass, run.device, run.autocast, cfg.policy_temperature)
-            if ref_model is not None:
-                batch.ref_log_probs = batched_log_probs(ref_model, batch, rows_per_pass, run.device, run.autocast, cfg.policy_temperature)
+            is_stats = old_and_reference_log_probs(run, batch, cfg, ref_model)
             # 4. the policy update: epochs of optimizer batches of micro-batches
             update = policy_update(run, batch, cfg, optimizer, scheduler, kl_ctl, ref_model is not None, step)
             if update.mean_kl is not None:
                 kl_ctl.update(update.mean_kl, cfg.rollout_batch_size)
             # 5. metrics and health
-            m = rollout_metrics(rollouts, scores, batch, update, cfg.group_size)
-            m.update({"health/reward_errors": scorer.errors - errors_before, "health/nonfinite_steps": run.nonfinite_steps,
-                      "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t1,
-                      "time/tokens_per_s": sum(len(r.response_ids) for r in rollouts) / max(time.perf_counter() - t0, 1e-9)})
+            m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
+            m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
+                      "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": rollout_s,
+                      "time/train_s": time.perf_counter() - t1, "time/tokens_per_s": sum(
+                          len(r.response_ids) for r in groups.rollouts) / max(time.perf_counter() - t0, 1e-9)})
+            samples.items[0] += groups.samples_drawn
+            m["train/samples_drawn"] = samples.items[0]
             log_step(run, health, update, m, scorer.last_error, step)
+            if cfg.max_rollout_samples and samples.items[0] >= cfg.max_rollout_samples:
+                run.total_steps = step + 1  # the sample budget is spent: this is the last step
             run.end_step(step + 1, validate)
+            if step + 1 >= run.total_steps:
+                break
 
-        after = validate(cfg.n_grpo_steps)
+        after = validate(run.total_steps)
         scorer.close()
         return run.finish(after, before=before, plot=lambda metrics, out: plot_grpo_run(metrics, out, f"GRPO: {run.path.name}"))

@@ -258,7 +258,8 @@ class Run:
         """Run ``evaluate()`` and log its figures as ``eval/*`` with ``eval_step`` and the outer step."""
         metrics = evaluate()
         if metrics:
-            self.log({"eval_step": self.eval_step, self.step_key: step, **{f"eval/{k}": v for k, v in metrics.items()}})
+            self.log({"eval_step": self.eval_step, self.step_key: step, **{f"eval/{k}": v for k, v in metrics.items()},
+                      "time/elapsed_s": time.perf_counter() - self.wall})
             self.eval_step += 1
         return metrics
 

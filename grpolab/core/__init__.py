@@ -1,18 +1,25 @@
 """grpolab.core: the tensor math of SFT, GRPO, PPO and DPO. Imports nothing but torch.
 
 This file only re-exports. Policy losses and advantage estimators are registered by name in
-``registry.py`` (config validators use ``policy_loss_names()`` / ``advantage_estimator_names()``).
+``registry.py`` (config validators use ``policy_loss_names()`` / ``advantage_estimator_names()``):
+the CS336 losses in ``losses.py``, GSPO / CISPO / SAPO in ``ratio_losses.py``, the estimators in
+``advantages.py``. ``importance.py`` holds the sampler/trainer IS correction, ``shaping.py`` DAPO's
+overlong reward penalty.
 
 Names, parameters and semantics follow Stanford CS336 Assignment 5 where it defines them.
 """
 
 from .advantages import (
+    SCALE_REWARDS,
     compute_advantages,
     compute_gae,
     compute_group_normalized_rewards,
     grpo_advantages,
     normalize_group_rewards,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
 )
+from .importance import IS_LEVELS, IS_MODES, importance_sampling_weights
 from .kl import (
     KL_ESTIMATORS,
     KL_LOSS_ESTIMATORS,
@@ -40,8 +47,10 @@ from .losses import (
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
     compute_value_loss,
+    entropy_bonus_loss,
 )
 from .masking import masked_mean, masked_normalize, whiten
+from .ratio_losses import compute_cispo_loss, compute_gspo_loss, compute_sapo_loss
 from .registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
@@ -56,6 +65,7 @@ from .registry import (
     unregister_advantage_estimator,
     unregister_policy_loss,
 )
+from .shaping import overlong_reward_penalty
 from .train_steps import (
     LENGTH_NORMALIZATIONS,
     aggregate_token_loss,
@@ -68,30 +78,38 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "KL_LOSS_ESTIMATORS",
     "LENGTH_NORMALIZATIONS",
     "LOSS_TYPES",
     "POLICY_LOSSES",
     "PolicyLoss",
+    "SCALE_REWARDS",
     "advantage_estimator_names",
     "aggregate_token_loss",
     "build_sequences",
     "check_kl_loss_estimator",
     "compute_advantages",
+    "compute_cispo_loss",
     "compute_dpo_loss",
     "compute_entropy",
     "compute_gae",
     "compute_group_normalized_rewards",
     "compute_grpo_clip_loss",
+    "compute_gspo_loss",
     "compute_naive_policy_gradient_loss",
     "compute_policy_gradient_loss",
+    "compute_sapo_loss",
     "compute_value_loss",
+    "entropy_bonus_loss",
     "get_advantage_estimator",
     "get_policy_loss",
     "get_response_log_probs",
     "grpo_advantages",
     "grpo_microbatch_train_step",
+    "importance_sampling_weights",
     "kl_estimator",
     "kl_k1",
     "kl_k2",
@@ -100,10 +118,13 @@ __all__ = [
     "masked_mean",
     "masked_normalize",
     "normalize_group_rewards",
+    "overlong_reward_penalty",
     "pad_token_id",
     "policy_loss_names",
     "register_advantage_estimator",
     "register_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
     "sft_microbatch_train_step",
     "sum_response_log_probs",
     "tokenize_prompt_and_output",

@@ -38,13 +38,22 @@ def compute_grpo_clip_loss(
     *,
     cliprange_low: float | None = None,
     cliprange_high: float | None = None,
+    dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate per token (Schulman et al. 2017 eq. 7; Shao et al. 2024 eq. 3).
 
     ``ratio = exp(new - old)``; ``loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``
     with ``eps_low = cliprange_low`` and ``eps_high = cliprange_high`` when given (DAPO's
-    asymmetric "clip-higher", Yu et al. 2025), else ``cliprange``. Metadata: ``clipped`` (bool,
-    where the clipped term is the smaller one) and ``ratio``.
+    asymmetric "clip-higher", Yu et al. 2025), else ``cliprange``.
+
+    ``dual_clip_c`` (> 1, e.g. 3.0; None = off): PPO dual-clip (Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep RL"). Where ``A < 0`` the loss is capped at ``-c * A``:
+    ``min(max(-ratio * A, -clip(ratio) * A), -c * A)``, so a token whose ratio has run far above
+    ``c`` contributes a bounded loss and no gradient; ``A >= 0`` is unchanged.
+
+    Metadata: ``clipped`` (bool, (batch, seq): the token's gradient is cut, i.e. the clipped term is
+    the smaller one, or the dual clip is active), ``dual_clipped`` (bool, only with ``dual_clip_c``)
+    and ``ratio`` (detached).
     """
     eps_low = cliprange if cliprange_low is None else cliprange_low
     eps_high = cliprange if cliprange_high is None else cliprange_high
@@ -55,13 +64,33 @@ def compute_grpo_clip_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
+    meta = {"clipped": clipped < unclipped, "ratio": ratio.detach()}
+    if dual_clip_c is None:
+        return loss, meta
+    if not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (Ye et al. 2020), got {dual_clip_c!r}")
+    cap = -dual_clip_c * adv
+    dual = (adv < 0) & (loss > cap)
+    loss = torch.where(dual, cap, loss)
+    meta["clipped"] = meta["clipped"] | dual
+    meta["dual_clipped"] = dual
+    return loss, meta
 
 
 def _require(loss_type: str, name: str, value):
     if value is None:
         raise ValueError(f"loss_type={loss_type!r} requires {name}")
     return value
+
+
+def entropy_bonus_loss(token_entropy: torch.Tensor, coef: float) -> torch.Tensor:
+    """Per-token entropy bonus ``-coef * H_t`` (batch, seq) to add to a per-token policy loss.
+
+    Minimising ``loss - coef * H`` maximises ``J + coef * H`` (Williams & Peng 1991; Mnih et al.
+    2016, A3C's entropy regularisation; Schulman et al. 2017, the ``c2 * S`` term of PPO eq. 9). The
+    gradient flows through ``token_entropy`` when it carries one (entropy computed from logits).
+    """
+    return -coef * token_entropy
 
 
 @register_policy_loss("no_baseline")
@@ -79,14 +108,18 @@ def _reinforce_with_baseline_loss(policy_log_probs, *, advantages=None, **_):
 
 
 @register_policy_loss("grpo_clip")
-def _grpo_clip_loss(policy_log_probs, *, advantages=None, old_log_probs=None, cliprange=None, cliprange_high=None, **_):
-    """CS336 ``grpo_clip``: ``compute_grpo_clip_loss`` (DAPO clip-higher via ``cliprange_high``)."""
+def _grpo_clip_loss(
+    policy_log_probs, *, advantages=None, old_log_probs=None, cliprange=None, cliprange_high=None, dual_clip_c=None, **_
+):
+    """CS336 ``grpo_clip``: ``compute_grpo_clip_loss`` (DAPO clip-higher via ``cliprange_high``;
+    PPO dual-clip via the option ``dual_clip_c``, off when None)."""
     return compute_grpo_clip_loss(
         _require("grpo_clip", "advantages", advantages),
         policy_log_probs,
         _require("grpo_clip", "old_log_probs", old_log_probs),
         _require("grpo_clip", "cliprange", cliprange),
         cliprange_high=cliprange_high,
+        dual_clip_c=dual_clip_c,
     )
 
 

@@ -27,7 +27,8 @@ class PolicyLoss(Protocol):
     ``**options`` are extras some losses need (``grpo_microbatch_train_step`` always passes
     ``response_mask`` (batch, seq) bool); a loss ignores the options it does not use.
     Returns ``(per_token_loss (batch, seq), metadata)``; metadata may hold ``"clipped"`` (bool,
-    (batch, seq)) and ``"ratio"`` (detached, (batch, seq)), which the train step reports.
+    (batch, seq)), ``"dual_clipped"`` (bool) and ``"ratio"`` (detached, (batch, seq)), which the
+    train step reports (``clip_fraction``, ``dual_clip_fraction``, ``ratio_mean``).
     """
 
     def __call__(
@@ -48,9 +49,9 @@ class AdvantageEstimator(Protocol):
 
     ``raw_rewards`` (N,) are the rewards of N = n_prompts * group_size responses, grouped in
     consecutive blocks of ``group_size``. ``**options`` carry the estimator's knobs by keyword
-    (``advantage_eps``, ``use_std_normalization`` for "grpo"; a token-level estimator such as GAE
-    would take ``values`` and ``response_mask`` (N, seq)); an estimator ignores options it does not
-    use. Returns float32 advantages (N,) per response, or (N, seq) per token for token-level
+    (``advantage_eps``, ``use_std_normalization``, ``scale_rewards`` for "grpo"; ``advantage_eps``,
+    ``group_baseline`` for "reinforce_plus_plus"; a token-level estimator such as GAE would take
+    ``values`` and ``response_mask`` (N, seq)); an estimator ignores options it does not use. Returns float32 advantages (N,) per response, or (N, seq) per token for token-level
     estimators (the policy losses broadcast both).
     """
 

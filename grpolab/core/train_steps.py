@@ -19,10 +19,12 @@ divided by it, which gives the same gradient as equal micro-batches.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .kl import check_kl_loss_estimator, kl_estimator
-from .losses import compute_policy_gradient_loss
+from .losses import compute_policy_gradient_loss, entropy_bonus_loss
 from .masking import masked_mean, masked_normalize
 
 LENGTH_NORMALIZATIONS = ("masked_mean", "masked_normalize", "token_mean")
@@ -104,47 +106,70 @@ def grpo_microbatch_train_step(
     ref_log_probs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator_name: str = "k3",
+    is_weights: torch.Tensor | None = None,
+    token_entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    loss_options: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient micro-batch step (CS336 A5 ``grpo_microbatch_train_step``).
 
     With the defaults: per-token loss from ``compute_policy_gradient_loss`` -> ``masked_mean`` over
     each sequence's tokens -> mean over the batch -> divided by ``gradient_accumulation_steps`` ->
-    ``backward()`` once. Keyword-only extras: other length normalisations (module docstring),
-    DAPO ``cliprange_high``, and a per-token KL penalty ``kl_coef * k(pi, pi_ref)`` added to the loss
-    (GRPO paper eq. 3) when ``ref_log_probs`` is given. The estimator must be one of
-    ``KL_LOSS_ESTIMATORS`` when ``kl_coef > 0`` (k1 as a loss has zero expected gradient:
-    ValueError); with ``kl_coef == 0`` it is only measured (metadata ``kl``). The loss gets
-    ``response_mask`` as an option. Shapes: log-probs, mask (batch, seq); advantages (batch,) or
-    (batch, 1). Returns ``(scaled loss, metadata)``.
+    ``backward()`` once. Keyword-only extras, all applied per token before aggregation:
+
+    - ``loss_options``: the loss's extra keywords (``dual_clip_c``, ``cispo_low``, ``sapo_tau_pos``, ...);
+      the loss always gets ``response_mask`` too.
+    - ``is_weights`` (batch, seq, detached): sampler/trainer IS weights (``importance_sampling_weights``)
+      on the policy-gradient term only (not on the KL or entropy terms).
+    - ``ref_log_probs`` with ``kl_coef``: a per-token KL penalty ``kl_coef * k(pi, pi_ref)`` (GRPO
+      paper eq. 3). The estimator must be one of ``KL_LOSS_ESTIMATORS`` when ``kl_coef > 0`` (k1 as
+      a loss has zero expected gradient: ValueError); with ``kl_coef == 0`` it is only measured
+      (metadata ``kl``).
+    - ``token_entropy`` (batch, seq) with ``entropy_coef``: the bonus ``-entropy_coef * H`` per token
+      (``entropy_bonus_loss``); the gradient flows through ``token_entropy``. Its masked mean is
+      reported as metadata ``entropy`` whenever ``token_entropy`` is given.
+
+    Length normalisations: module docstring. Shapes: log-probs, mask (batch, seq); advantages
+    (batch,) or (batch, 1). Returns ``(scaled loss, metadata)``.
     """
     if ref_log_probs is not None and kl_coef > 0:
         check_kl_loss_estimator(kl_estimator_name)
-    per_token, meta = compute_policy_gradient_loss(
-        policy_log_probs,
-        loss_type,
-        raw_rewards=raw_rewards,
-        advantages=advantages,
-        old_log_probs=old_log_probs,
-        cliprange=cliprange,
-        cliprange_high=cliprange_high,
-        response_mask=response_mask,
+    options = {**(loss_options or {}), "response_mask": response_mask}
+    per_token, meta = compute_policy_gradient_loss(policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs,
+                                                   cliprange, cliprange_high=cliprange_high, **options)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
+    per_token, metadata = _add_regularisers(
+        per_token, policy_log_probs, response_mask, ref_log_probs, kl_coef, kl_estimator_name,
+        token_entropy, entropy_coef,
     )
+    loss = aggregate_token_loss(per_token, response_mask, gradient_accumulation_steps, length_normalization,
+                                normalize_constant, global_num_tokens, global_batch_size)
+    loss.backward()
+    return loss.detach(), {**metadata, **_loss_metadata(meta, response_mask)}
+
+
+def _add_regularisers(
+    per_token: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    ref_log_probs: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator_name: str,
+    token_entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token KL penalty and entropy bonus added to ``per_token``; their masked means as metadata."""
     metadata: dict[str, torch.Tensor] = {}
     if ref_log_probs is not None:
         kl = kl_estimator(kl_estimator_name)(policy_log_probs, ref_log_probs)
         per_token = per_token + kl_coef * kl if kl_coef else per_token
         metadata["kl"] = masked_mean(kl.detach(), response_mask)
-    loss = aggregate_token_loss(
-        per_token,
-        response_mask,
-        gradient_accumulation_steps,
-        length_normalization,
-        normalize_constant=normalize_constant,
-        global_num_tokens=global_num_tokens,
-        global_batch_size=global_batch_size,
-    )
-    loss.backward()
-    return loss.detach(), {**metadata, **_loss_metadata(meta, response_mask)}
+    if token_entropy is not None:
+        if entropy_coef:
+            per_token = per_token + entropy_bonus_loss(token_entropy, entropy_coef).to(per_token.dtype)
+        metadata["entropy"] = masked_mean(token_entropy.detach(), response_mask)
+    return per_token, metadata
 
 
 def _loss_metadata(meta: dict[str, torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -153,6 +178,8 @@ def _loss_metadata(meta: dict[str, torch.Tensor], response_mask: torch.Tensor) -
     if "clipped" in meta:
         out["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask)
         out["clipped"] = meta["clipped"]
+    if "dual_clipped" in meta:
+        out["dual_clip_fraction"] = masked_mean(meta["dual_clipped"].float(), response_mask)
     if "ratio" in meta:
         out["ratio_mean"] = masked_mean(meta["ratio"], response_mask)
     out["num_response_tokens"] = response_mask.sum()

@@ -19,9 +19,15 @@ FINISH_REASONS = ("stop", "eos", "length")
 class SamplingParams:
     """Sampling settings, named as in vLLM.
 
-    ``min_tokens`` forbids eos and stop strings before that many tokens (no empty responses);
-    a stop string is kept in the output (``</answer>`` ends the answer and stays in it).
+    The policy sampled is ``softmax(logits / temperature)`` restricted to the top-p nucleus (the
+    smallest set of most likely tokens whose mass reaches ``top_p``, as Hugging Face and vLLM);
     ``temperature == 0`` is greedy decoding.
+    A stop string ends a response however the model spells it (one token, several, or a token that
+    runs past its end: matched on the decoded text), at its first occurrence, and is kept in the
+    output (``</answer>`` ends the answer and stays in it). A response also ends on any of the
+    model's end ids (the tokenizer's eos and ``generation_config.eos_token_id``).
+    ``min_tokens`` forbids the end ids and single-token stop strings before that many tokens (no
+    empty responses); a stop string completed before then is ignored.
     """
 
     temperature: float = 1.0
@@ -40,15 +46,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be within [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
 
 
 @dataclass
 class Rollout:
     """One sampled response.
 
-    ``logprobs[i]`` is the sampler's log-probability of ``response_ids[i]`` under the model's
-    untempered distribution (temperature 1, before top-p), which is what the trainer computes.
-    ``finish_reason``: ``stop`` (a stop string), ``eos``, or ``length`` (hit ``max_tokens``).
+    ``logprobs[i]`` is the sampler's log-probability of ``response_ids[i]`` under the tempered
+    distribution ``log_softmax(logits / temperature)``, before top-p truncation (TRL/veRL
+    convention: what the trainer computes with the logits divided by the sampling temperature). At
+    ``temperature == 0`` (greedy) it is the untempered ``log_softmax(logits)``.
+    ``response_ids`` are the exact sampled ids, the end token or the stop string's last token
+    included; ``response`` is their text without special tokens, cut right after the stop string
+    when the token that completed it runs past it (its id stays in ``response_ids``).
+    ``finish_reason``: ``stop`` (a stop string), ``eos`` (an end id), or ``length`` (hit
+    ``max_tokens``).
     """
 
     prompt: str

@@ -8,9 +8,13 @@ output, ``min_tokens``, and exact finish reasons, with little per-step overhead.
    Llama/Qwen2-architecture models a lean forward (``fast_decoder``) replaces the Hugging Face
    forward, whose per-call overhead dominates small models; other models use the latter;
 2. sample token by token (temperature, top-p; greedy at temperature 0) with an explicit
-   ``torch.Generator`` so runs are reproducible and resumable;
-3. drop a row from the KV cache as soon as it finishes, so long tails do not pay for finished
-   sequences.
+   ``torch.Generator`` so runs are reproducible and resumable, recording each sampled token's
+   log-prob under the tempered distribution ``log_softmax(logits / T)`` before top-p (the policy
+   the trainer scores; at ``T == 0`` the untempered ``log_softmax(logits)``);
+3. end a row on any of the model's end ids (the tokenizer's eos and every id in
+   ``generation_config.eos_token_id``) or on a stop string found in the decoded text
+   (``stops.StopStringDetector``), and drop it from the KV cache at once, so long tails do not pay
+   for finished sequences.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from ..core import pad_token_id
 from . import fast_decoder
 from .base import Rollout, SamplingParams
+from .stops import StopStringDetector, token_texts
 
 
 class _HFEngine:
@@ -66,15 +71,43 @@ class _HFEngine:
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    cumulative = sorted_probs.cumsum(-1)
-    drop = cumulative - sorted_probs > top_p  # keep the smallest prefix whose mass reaches top_p
+    """Nucleus sampling (Holtzman et al. 2020) as Hugging Face's ``TopPLogitsWarper`` and vLLM do:
+    keep the smallest set of most likely tokens whose mass reaches ``top_p``, i.e. drop a token when
+    the mass of the tokens no more likely than it, itself included, is ``<= 1 - top_p``; the most
+    likely token is always kept. ``probs`` (..., V) -> the kept probabilities (not renormalised)."""
+    sorted_probs, order = probs.sort(dim=-1)  # ascending, as the reference implementations
+    drop = sorted_probs.cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
+def _sample(logits: torch.Tensor, sampling: SamplingParams, blocked: torch.Tensor | None, generator):
+    """One token per row and its log-prob under ``log_softmax(logits / T)`` (``T == 0``: T = 1),
+    taken before top-p and before ``blocked`` ids (eos and stops under ``min_tokens``) are masked."""
+    temp = sampling.temperature
+    scaled = logits / temp if temp not in (0.0, 1.0) else logits
+    logp = torch.log_softmax(scaled, dim=-1)
+    scores = scaled if blocked is None else scaled.index_fill(-1, blocked, float("-inf"))
+    if temp == 0:
+        next_tok = scores.argmax(-1)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        if sampling.top_p < 1.0:
+            probs = _top_p_filter(probs, sampling.top_p)
+        next_tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    return next_tok, logp.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
+
+
 class HFRolloutBackend:
-    """``generate(prompts, n, sampling)`` on the training model itself (no weight copy to sync)."""
+    """``generate(prompts, n, sampling)`` on the training model itself (no weight copy to sync).
+
+    ``Rollout.response_ids`` are the exact sampled ids, the end token or the stop string's last
+    token included. ``Rollout.response`` is their text without special tokens; when the token that
+    completes a stop string carries characters past it (``r>x`` completing ``</answer>``), the text
+    is cut right after the stop string while ``response_ids`` keep that whole token (training scores
+    the sampled ids), so there ``response`` is shorter than ``decode(response_ids)``.
+    """
 
     def __init__(
         self,
@@ -95,7 +128,9 @@ class HFRolloutBackend:
         params = inspect.signature(model.forward).parameters
         # transformers 5 calls the cache argument ``cache``; 4.x calls it ``past_key_values``
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._stop_cache: dict[tuple[str, ...], tuple[list[int] | None, int]] = {}
+        self._token_texts: list[str | None] | None = None
+        self._detectors: dict[tuple[str, ...], StopStringDetector] = {}
+        self._stop_ids: dict[tuple[str, ...], list[int]] = {}
         self.fast_path = fast_path
         self._fast = None
 
@@ -103,16 +138,33 @@ class HFRolloutBackend:
         self.model = model
 
     # ---------------------------------------------------------------- helpers
-    def _stop_plan(self, stops: Sequence[str]) -> tuple[list[int] | None, int]:
-        """Single-token stop strings are checked by id; others by decoding a short tail."""
+    def end_ids(self) -> list[int]:
+        """The ids that end a response: the tokenizer's eos and ``generation_config.eos_token_id``
+        (an int or a list: chat models list several, e.g. ``<|im_end|>`` and ``<|endoftext|>``)."""
+        ids = [] if self.eos_id is None else [self.eos_id]
+        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for i in [extra] if isinstance(extra, int) else list(extra or []):
+            if i not in ids:
+                ids.append(int(i))
+        return ids
+
+    def _detector(self, stops: Sequence[str]) -> StopStringDetector | None:
         key = tuple(stops)
-        if key not in self._stop_cache:
+        if not key:
+            return None
+        if key not in self._detectors:
+            if self._token_texts is None:  # one decode of the vocabulary per backend
+                self._token_texts = token_texts(self.tokenizer)
+            self._detectors[key] = StopStringDetector(self.tokenizer, key, self._token_texts)
+        return self._detectors[key]
+
+    def _stop_token_ids(self, stops: Sequence[str]) -> list[int]:
+        """Stop strings that are one token: ``min_tokens`` masks those ids, as it masks eos."""
+        key = tuple(stops)
+        if key not in self._stop_ids:
             encoded = [self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stops]
-            if stops and all(len(e) == 1 for e in encoded):
-                self._stop_cache[key] = ([e[0] for e in encoded], 0)
-            else:
-                self._stop_cache[key] = (None, max((len(e) for e in encoded), default=0) + 2)
-        return self._stop_cache[key]
+            self._stop_ids[key] = [e[0] for e in encoded if len(e) == 1]
+        return self._stop_ids[key]
 
     def _engine(self):
         if self.fast_path and fast_decoder.supports(self.model):
@@ -145,7 +197,13 @@ class HFRolloutBackend:
             with torch.inference_mode(), self._autocast():
                 for start in range(0, len(prompts), per_chunk):
                     chunk = list(range(start, min(start + per_chunk, len(prompts))))
-                    rollouts.extend(self._generate_chunk(prompts, prompt_ids, chunk, n, sampling, generator))
+                    if n <= self.max_batch_size:
+                        rollouts.extend(self._generate_chunk(prompts, prompt_ids, chunk, n, sampling, generator))
+                        continue
+                    # a group larger than the batch bound: sample it in parts of at most max_batch_size rows
+                    for done in range(0, n, self.max_batch_size):
+                        part = min(self.max_batch_size, n - done)
+                        rollouts.extend(self._generate_chunk(prompts, prompt_ids, chunk, part, sampling, generator))
         finally:
             self.model.train(was_training)
         return rollouts
@@ -161,85 +219,74 @@ class HFRolloutBackend:
         for row, i in enumerate(chunk):
             ids[row, width - lengths[row] :] = torch.tensor(prompt_ids[i])
             mask[row, width - lengths[row] :] = 1
-        ids, mask = ids.to(device), mask.to(device)
         engine = self._engine()
-        logits = engine.prefill(ids, mask, sampling.max_tokens)
+        logits = engine.prefill(ids.to(device), mask.to(device), sampling.max_tokens)
         if n > 1:
             engine.repeat(n)
             logits = logits.repeat_interleave(n, 0)
+        tokens, logprobs, out_len, reason = self._decode(engine, logits, len(chunk) * n, sampling, generator)
+        detector = self._detector(sampling.stop)
+        out = []
+        for row in range(len(chunk) * n):
+            n_tok = int(out_len[row])
+            resp_ids = tokens[row, :n_tok].tolist()
+            text = self.tokenizer.decode(resp_ids, skip_special_tokens=True)
+            if reason[row] == "stop":
+                text = detector.cut(resp_ids, text)
+            p = chunk[row // n]
+            out.append(Rollout(prompt=prompts[p], response=text, prompt_ids=list(prompt_ids[p]), response_ids=resp_ids,
+                               logprobs=logprobs[row, :n_tok].tolist(), finish_reason=reason[row], prompt_index=p))
+        return out
 
-        batch = len(chunk) * n
+    def _decode(self, engine, logits, batch, sampling, generator):
+        """The sampling loop -> sampled ids (batch, max_tokens), their log-probs, lengths, reasons."""
+        device = logits.device
         max_tokens = sampling.max_tokens
         tokens = torch.full((batch, max_tokens), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros((batch, max_tokens), dtype=torch.float32)
         out_len = torch.zeros(batch, dtype=torch.long)
         reason = ["length"] * batch
         active = torch.arange(batch)  # rows of the current cache -> original rows
-        stop_ids, tail = self._stop_plan(sampling.stop)
-        stop_ids_t = torch.tensor(stop_ids, device=device) if stop_ids else None
-        block = [self.eos_id] if self.eos_id is not None else []
-        block_t = torch.tensor(block + (stop_ids or []), device=device) if block or stop_ids else None
-
+        end_ids = self.end_ids()
+        end_t = torch.tensor(end_ids, dtype=torch.long)
+        detector = self._detector(sampling.stop)
+        blocked = end_ids + self._stop_token_ids(sampling.stop)
+        blocked_t = torch.tensor(blocked, device=device) if blocked else None
         for t in range(max_tokens):
-            logp = torch.log_softmax(logits, dim=-1)
-            scores = logits
-            if t < sampling.min_tokens and block_t is not None:
-                scores = scores.index_fill(-1, block_t, float("-inf"))
-            if sampling.temperature == 0:
-                next_tok = scores.argmax(-1)
-            else:
-                probs = torch.softmax(scores / sampling.temperature, dim=-1)
-                if sampling.top_p < 1.0:
-                    probs = _top_p_filter(probs, sampling.top_p)
-                next_tok = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-            tok_lp = logp.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
-            rows = active
-            tokens[rows, t] = next_tok.cpu()
-            logprobs[rows, t] = tok_lp.float().cpu()
-            out_len[rows] = t + 1
-
-            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-            if t + 1 >= sampling.min_tokens:
-                if self.eos_id is not None:
-                    is_eos = next_tok == self.eos_id
-                    for r in is_eos.nonzero().flatten().tolist():
-                        reason[rows[r]] = "eos"
-                    done |= is_eos
-                if stop_ids_t is not None:
-                    is_stop = torch.isin(next_tok, stop_ids_t) & ~done
-                    for r in is_stop.nonzero().flatten().tolist():
-                        reason[rows[r]] = "stop"
-                    done |= is_stop
-                elif sampling.stop and t + 1 >= sampling.min_tokens:
-                    for r in (~done).nonzero().flatten().tolist():
-                        orig = rows[r].item()
-                        text = self.tokenizer.decode(tokens[orig, max(0, t + 1 - tail) : t + 1])
-                        if any(s in text for s in sampling.stop):
-                            reason[orig] = "stop"
-                            done[r] = True
+            next_tok, tok_lp = _sample(logits, sampling, blocked_t if t < sampling.min_tokens else None, generator)
+            next_cpu = next_tok.cpu()
+            tokens[active, t] = next_cpu
+            logprobs[active, t] = tok_lp.float().cpu()
+            out_len[active] = t + 1
+            if t + 1 < sampling.min_tokens:
+                logits = engine.step(next_tok)
+                continue
+            done = self._finished(next_cpu, t, active, tokens, reason, end_t, detector, logits.shape[-1])
             if t + 1 == max_tokens or bool(done.all()):
                 break
             if bool(done.any()):
                 # finished rows leave the cache at once: later steps only pay for live rows
                 keep = (~done).nonzero().flatten()
-                engine.select(keep)
-                next_tok, active = next_tok[keep], active[keep.cpu()]
+                engine.select(keep.to(device))
+                next_tok, active = next_tok[keep.to(device)], active[keep]
             logits = engine.step(next_tok)
+        return tokens, logprobs, out_len, reason
 
-        out = []
-        for row in range(batch):
-            n_tok = int(out_len[row])
-            resp_ids = tokens[row, :n_tok].tolist()
-            p = chunk[row // n]
-            out.append(
-                Rollout(
-                    prompt=prompts[p],
-                    response=self.tokenizer.decode(resp_ids, skip_special_tokens=True),
-                    prompt_ids=list(prompt_ids[p]),
-                    response_ids=resp_ids,
-                    logprobs=logprobs[row, :n_tok].tolist(),
-                    finish_reason=reason[row],
-                    prompt_index=p,
-                )
-            )
-        return out
+    @staticmethod
+    def _finished(next_tok, t, active, tokens, reason, end_t, detector, vocab_size) -> torch.Tensor:
+        """(live rows,) bool on CPU: the rows that end at step ``t`` (``next_tok`` on CPU); sets
+        their finish reasons. An end id wins over a stop string ending on the same token."""
+        done = torch.isin(next_tok, end_t)
+        for r in done.nonzero().flatten().tolist():
+            reason[int(active[r])] = "eos"
+        if detector is not None:
+            check = (detector.candidates(vocab_size, "cpu")[next_tok] & ~done).nonzero().flatten().tolist()
+            if check:
+                lo = max(0, t + 1 - detector.window)
+                rows = [int(active[r]) for r in check]
+                hits = detector.completes([tokens[row, lo : t + 1].tolist() for row in rows])
+                for r, row, hit in zip(check, rows, hits):
+                    if hit:
+                        reason[row] = "stop"
+                        done[r] = True
+        return done

@@ -1,0 +1,94 @@
+"""The gradient of one optimizer batch of a rollout batch, accumulated over micro-batches — the
+engineering under GRPO's update, kept apart from the algorithm: rows that cannot contribute are
+skipped, rows may be packed by a token budget, and each distinct prompt may be run once for its
+whole group (``models.shared_prefix``). None of it changes the gradient (tested to 1e-6 against
+the plain fixed-micro-batch gradient), because every loss is scaled by the whole optimizer batch's
+sequence or token count."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import get_response_log_probs, grpo_microbatch_train_step, kl_k3
+from ..models.shared_prefix import (
+    label_to_response_layout,
+    response_to_label_layout,
+    shared_prefix_rows,
+    supports_shared_prefix,
+)
+from .batching import RolloutBatch, plan_microbatches, take_rows
+
+
+def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
+                         temperature: float):
+    """(micro-batch tensors, log-probs, entropy, trainer log-probs in label layout) of rows ``live``.
+    With ``shared``, each distinct prompt is run once for all its responses (``models.shared_prefix``)."""
+    if not shared:
+        mb = take_rows(tensors, live, device)
+        with autocast():
+            out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
+                                         temperature=temperature)
+        lp = out["log_probs"].float()
+        return mb, lp, out["token_entropy"], lp.detach().cpu()
+    with autocast():
+        out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
+                                 return_token_entropy=True)
+    p_lens, r_lens, index = out["prompt_lengths"], out["response_lengths"], torch.tensor(live)
+    mb = {"response_mask": out["response_mask"], "advantages": tensors["advantages"][index].to(device),
+          "raw_rewards": tensors["raw_rewards"][index].to(device)}
+    for key in ("old_log_probs", "ref_log_probs", "is_weights"):
+        if key in tensors:
+            mb[key] = label_to_response_layout(tensors[key][index], p_lens, r_lens).to(device)
+    lp = out["log_probs"].float()
+    return mb, lp, out["token_entropy"], response_to_label_layout(lp, p_lens, r_lens, tensors["labels"].shape[1])
+
+
+def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg, contributes: torch.Tensor,
+                               kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None) -> dict[str, float]:
+    """Forward/backward one optimizer batch (``rows``) in micro-batches, leaving its gradient in
+    ``.grad``; returns summed figures for logging and, when given ``trainer_lp``, fills in the
+    trainer's log-probs of the trained rows (for the sampler/trainer mismatch check).
+
+    Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
+    losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
+    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed."""
+    tensors = batch.tensors()
+    mask_all = batch.response_mask[rows]
+    global_tokens = mask_all.sum().clamp(min=1)
+    lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
+    plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
+    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
+    shared = cfg.share_prompt_prefix and supports_shared_prefix(model)
+    normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
+    for plan in plans:
+        live = [rows[i] for i in plan if contributes[rows[i]]]
+        if not live:
+            continue
+        mb, log_probs, entropy, label_lp = microbatch_log_probs(model, tensors, batch, live, shared, device, autocast,
+                                                                cfg.policy_temperature)
+        if trainer_lp is not None:
+            trainer_lp[live, : label_lp.shape[1]] = label_lp
+        old = mb.get("old_log_probs", log_probs.detach())
+        # the global sizes set the loss scale, so the micro-batch count given here is not used
+        loss, meta = grpo_microbatch_train_step(
+            log_probs, mb["response_mask"], len(plans), cfg.loss_type,
+            raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
+            cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
+            length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
+            global_num_tokens=global_tokens, global_batch_size=len(rows),
+            ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
+            is_weights=mb.get("is_weights"), token_entropy=entropy if cfg.entropy_coef else None,
+            entropy_coef=cfg.entropy_coef, loss_options=cfg.loss_options(),
+        )
+        # figures stay on the device until the optimizer step: one sync per step, not per micro-batch
+        mask = mb["response_mask"]
+        n_tok = mask.sum()
+        sums["loss"] += loss
+        sums["tokens"] += n_tok
+        sums["entropy"] += (entropy.detach().float() * mask).sum()
+        sums["approx_kl"] += (kl_k3(old, log_probs.detach()) * mask).sum()
+        if "clip_fraction" in meta:
+            sums["clip"] += meta["clip_fraction"] * n_tok
+        if "kl" in meta:
+            sums["kl"] += meta["kl"] * n_tok
+    return {k: float(v) for k, v in sums.items()}

@@ -1,0 +1,90 @@
+"""Sample and score a rollout batch of groups — the first phase of GRPO — with DAPO's dynamic
+sampling (Yu et al. 2025, §3.2) and soft overlong punishment (§3.4) as options.
+
+Dynamic sampling draws batches of prompts until ``rollout_batch_size / group_size`` groups whose
+verifier rewards vary (before any overlong shaping, as DAPO filters on accuracy) are kept (a zero-variance group has advantage 0: it spends rollout
+compute and gives no gradient), or ``max_sampling_rounds`` rounds have been drawn; a batch still
+short then is filled with zero-variance groups (they train nothing) and the fill is logged. The
+figures logged make the "signal budget" visible: groups drawn, kept and dropped, and the share of
+sampled tokens spent on dropped groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import overlong_reward_penalty
+
+
+@dataclass
+class ScoredGroups:
+    """A rollout batch's rollouts (prompt-major groups, ``prompt_index`` into ``examples``), their
+    scores, their rewards (shaped when asked) and the sampling figures."""
+
+    rollouts: list
+    scores: list[dict]
+    rewards: torch.Tensor
+    examples: list
+    samples_drawn: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tuple[list, list[dict], torch.Tensor]:
+    """Sample and score one batch of prompts; the rewards include the overlong penalty when asked."""
+    rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
+    scores = scorer.score([r.response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts])
+    rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+    if cfg.overlong_buffer_len:
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+        rewards = rewards + overlong_reward_penalty(lengths, cfg.sampling_max_tokens, cfg.overlong_buffer_len,
+                                                    cfg.overlong_penalty_factor)
+    return rollouts, scores, rewards
+
+
+def sample_groups(backend, scorer, sampler, inputs, cfg, sampling) -> ScoredGroups:
+    """One rollout batch: ``rollout_batch_size / group_size`` prompts x ``group_size`` responses,
+    scored; with ``cfg.dynamic_sampling``, only groups whose rewards vary (see the module doc)."""
+    n_prompts = cfg.rollout_batch_size // cfg.group_size
+    if not cfg.dynamic_sampling:
+        examples = [inputs.train[i] for i in sampler.next(n_prompts)]
+        rollouts, scores, rewards = _score_round(backend, scorer, examples, inputs.template, cfg, sampling)
+        return ScoredGroups(rollouts, scores, rewards, examples, len(rollouts))
+    kept, dropped = [], []  # (example, rollouts, scores, rewards) per group
+    drawn = rounds = 0
+    tokens = {"kept": 0, "dropped": 0}
+    while len(kept) < n_prompts and rounds < cfg.max_sampling_rounds:
+        rounds += 1
+        examples = [inputs.train[i] for i in sampler.next(n_prompts)]
+        rollouts, scores, rewards = _score_round(backend, scorer, examples, inputs.template, cfg, sampling)
+        drawn += len(examples)
+        for g, example in enumerate(examples):
+            sl = slice(g * cfg.group_size, (g + 1) * cfg.group_size)
+            group = (example, rollouts[sl], scores[sl], rewards[sl])
+            verified = [s["reward"] for s in scores[sl]]  # DAPO filters on the verifier's reward, not the shaped one
+            signal = max(verified) > min(verified)
+            n_tok = sum(len(r.response_ids) for r in rollouts[sl])
+            (kept if signal else dropped).append(group)
+            tokens["kept" if signal else "dropped"] += n_tok
+    unused = max(0, len(kept) - n_prompts)
+    filled = max(0, n_prompts - len(kept))
+    groups = kept[:n_prompts] + dropped[:filled]
+    stats = {
+        "sampling/rounds": rounds, "sampling/groups_drawn": drawn, "sampling/groups_kept": min(len(kept), n_prompts),
+        "sampling/groups_dropped": len(dropped), "sampling/groups_unused": unused, "sampling/groups_filled": filled,
+        "sampling/dropped_token_share": tokens["dropped"] / max(1, tokens["kept"] + tokens["dropped"]),
+    }
+    return _assemble(groups, drawn * cfg.group_size, stats)
+
+
+def _assemble(groups: list, samples_drawn: int, stats: dict) -> ScoredGroups:
+    """Concatenate groups into one prompt-major batch, re-indexing each rollout's prompt."""
+    examples, rollouts, scores, rewards = [], [], [], []
+    for index, (example, g_rollouts, g_scores, g_rewards) in enumerate(groups):
+        examples.append(example)
+        rollouts.extend(dataclasses.replace(r, prompt_index=index) for r in g_rollouts)
+        scores.extend(g_scores)
+        rewards.append(g_rewards)
+    return ScoredGroups(rollouts, scores, torch.cat(rewards), examples, samples_drawn, stats)

@@ -1,0 +1,122 @@
+"""grpolab.algorithms.health: the per-step health figures and the diagnoses they trigger."""
+
+import pytest
+import torch
+
+from grpolab.algorithms.health import HealthMonitor, UnhealthyRunError, rollout_health
+
+HEALTHY = dict(zero_variance_group_fraction=0.25, reward_mean=0.5, truncation_rate=0.0, format_failure_rate=0.0,
+               reward_errors=0, logprob_mismatch=0.0)
+
+
+def figures(**kw):
+    return {**HEALTHY, **kw}
+
+
+def run_steps(monitor, steps):
+    """The messages of each step."""
+    return [monitor.update(m) for m in steps]
+
+
+def test_a_healthy_run_says_nothing():
+    assert run_steps(HealthMonitor(window=2), [figures()] * 5) == [[]] * 5
+
+
+@pytest.mark.parametrize("reward_mean,expected,not_expected", [
+    (0.0, "every response in every group scored 0", "identical rewards"),
+    (1.0, "every group got identical rewards", "scored 0"),
+])
+def test_zero_variance_diagnosis_depends_on_the_reward(reward_mean, expected, not_expected):
+    monitor = HealthMonitor(window=3)
+    out = run_steps(monitor, [figures(zero_variance_group_fraction=1.0, reward_mean=reward_mean)] * 5)
+    assert out[0] == [] and out[1] == []  # only after `window` consecutive steps
+    assert len(out[2]) == 1 and out[2][0].startswith("No learning signal for 3 steps")
+    assert expected in out[2][0] and not_expected not in out[2][0]
+    assert out[3] == [] and out[4] == []  # reported once
+
+
+def test_a_broken_streak_starts_again():
+    bad = figures(zero_variance_group_fraction=1.0)
+    monitor = HealthMonitor(window=3)
+    out = run_steps(monitor, [bad, bad, figures(), bad, bad])
+    assert out == [[]] * 5
+    assert monitor.update(bad) != []  # the third consecutive one
+
+
+def test_truncation_diagnosis():
+    monitor = HealthMonitor(window=2, truncation_threshold=0.5)
+    out = run_steps(monitor, [figures(truncation_rate=0.5)] * 3 + [figures(truncation_rate=0.75)] * 2)
+    assert out[:4] == [[]] * 4  # at the threshold is not above it
+    assert len(out[4]) == 1 and "75% of responses hit sampling_max_tokens for 2 steps" in out[4][0]
+
+
+def test_format_failure_diagnosis():
+    monitor = HealthMonitor(window=2)
+    out = run_steps(monitor, [figures(format_failure_rate=0.99), figures(format_failure_rate=1.0),
+                              figures(format_failure_rate=1.0)])
+    assert out[:2] == [[], []] and "Format success has been 0 for 2 steps" in out[2][0]
+
+
+def test_reward_errors_are_reported_at_once_with_the_last_error():
+    monitor = HealthMonitor(window=5)
+    out = monitor.update(figures(reward_errors=3, last_reward_error="ZeroDivisionError: boom"))
+    assert len(out) == 1 and "failed on 3 responses" in out[0] and "ZeroDivisionError: boom" in out[0]
+    assert monitor.update(figures(reward_errors=1)) == []
+
+
+def test_logprob_mismatch_is_reported_at_once_above_the_threshold():
+    monitor = HealthMonitor(window=5, logprob_mismatch_threshold=0.05)
+    assert monitor.update(figures(logprob_mismatch=0.05)) == []
+    out = monitor.update(figures(logprob_mismatch=0.2))
+    assert len(out) == 1 and "0.200 nats" in out[0]
+
+
+def test_several_problems_in_one_step():
+    monitor = HealthMonitor(window=1)
+    out = monitor.update(figures(zero_variance_group_fraction=1.0, reward_mean=0.0, truncation_rate=1.0,
+                                 format_failure_rate=1.0, reward_errors=1, logprob_mismatch=1.0))
+    assert len(out) == 5
+
+
+def test_stop_on_unhealthy_raises_with_the_diagnosis():
+    monitor = HealthMonitor(window=2, stop_on_unhealthy=True)
+    monitor.update(figures(format_failure_rate=1.0))
+    with pytest.raises(UnhealthyRunError, match="Format success has been 0"):
+        monitor.update(figures(format_failure_rate=1.0))
+
+
+def test_state_round_trip_keeps_streaks_so_a_resumed_monitor_fires_at_the_same_step():
+    bad = figures(zero_variance_group_fraction=1.0)
+    steps = [bad] * 6 + [figures(reward_errors=1)] * 2
+    uninterrupted = run_steps(HealthMonitor(window=4), steps)
+    first = HealthMonitor(window=4)
+    head = run_steps(first, steps[:3])
+    resumed = HealthMonitor(window=4)
+    resumed.load_state_dict(first.state_dict())
+    assert head + run_steps(resumed, steps[3:]) == uninterrupted
+    assert [bool(m) for m in uninterrupted] == [False, False, False, True, False, False, True, False]
+    # what was reported survives too: a diagnosis made before the checkpoint is not made again
+    again = HealthMonitor(window=4)
+    again.load_state_dict(resumed.state_dict())
+    assert run_steps(again, [bad] * 5) == [[]] * 5
+    # a fresh monitor (no state) would start its streak from zero
+    assert run_steps(HealthMonitor(window=4), steps[3:6]) == [[]] * 3
+
+
+def test_rollout_health_figures():
+    raw = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # group size 2: groups (1,1) (0,1) (0,0)
+    fmt = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    ans = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    sampler = torch.tensor([[0.0, -1.0, -2.0]] * 6)
+    trainer = sampler + torch.tensor([[0.0, 0.1, 0.3]])
+    checked = torch.zeros(6, 3, dtype=torch.bool)
+    checked[:, 1] = True
+    checked[0, 2] = True
+    h = rollout_health(raw, 2, ["stop", "length", "eos", "length", "stop", "stop"], fmt, ans, sampler, trainer, checked)
+    assert h["zero_variance_group_fraction"] == pytest.approx(2 / 3)
+    assert h["truncation_rate"] == pytest.approx(2 / 6)
+    assert h["format_failure_rate"] == pytest.approx(1 / 6)
+    assert h["wrong_answer_rate"] == pytest.approx(2 / 6)  # formatted but wrong: rows 2 and 5 (row 4 is a format failure)
+    assert h["logprob_mismatch"] == pytest.approx((6 * 0.1 + 0.3) / 7, rel=1e-5)
+    none_checked = rollout_health(raw, 2, ["stop"] * 6, fmt, ans, sampler, trainer, torch.zeros(6, 3, dtype=torch.bool))
+    assert none_checked["logprob_mismatch"] == 0.0
