@@ -90,14 +90,13 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     except RunInterrupted as exc:
         typer.echo(f"grpolab: {exc}", err=True)
         raise typer.Exit(130)
-    except OSError as exc:
-        if exc.errno == 28:
-            _fail(f"no space left on device: {exc.filename or ''}".rstrip(": "))
-        if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
-            _fail(str(exc))
-        raise
     except _user_errors() as exc:
         _fail(str(exc))
+    except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch
+        if getattr(exc, "errno", None) == 28 or "No space left on device" in str(exc):
+            where = getattr(exc, "filename", None) or (cfg.run_dir if "cfg" in locals() else "")
+            _fail(f"no space left on device: {where}")
+        raise
 
 
 def _report(result) -> None:

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.algorithms.checkpoints import (
@@ -97,7 +98,7 @@ def test_check_model_files(tmp_path, model_and_tokenizer):
     save_final(model, tok, tmp_path / "final")
     check_model_files(tmp_path / "final")
     _truncate(tmp_path / "final" / "model.safetensors")
-    with pytest.raises(Exception):
+    with pytest.raises(SafetensorError, match="incomplete metadata"):
         check_model_files(tmp_path / "final")
 
 
@@ -149,3 +150,24 @@ def test_save_final_is_a_hugging_face_directory_with_extra_files(tmp_path, model
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
     assert AutoTokenizer.from_pretrained(out)("1+2")["input_ids"] == tok("1+2")["input_ids"]
+
+
+def test_pruning_keeps_the_newest_readable_checkpoints(tmp_path, model_and_tokenizer):
+    # step_4 is unreadable, the run resumed from step_2 and now checkpoints every 3 steps
+    # (checkpoint_every may change on resume)
+    model, tok = model_and_tokenizer
+    ckpts = _manager_with(tmp_path, model_and_tokenizer, [2, 4], keep_last=2)
+    _truncate(tmp_path / "checkpoints" / "step_4" / "model.safetensors")
+    path, _ = ckpts.latest_loadable()  # what --resume does: step_4 is skipped and moved aside
+    assert path.name == "step_2" and (tmp_path / "checkpoints" / "unreadable_step_4").is_dir()
+    ckpts.save(3, model, tok, {"step": 3})
+    ckpts.save(6, model, tok, {"step": 6})
+    names = [p.name for p in ckpts.all()]
+    assert "step_3" in names and "step_6" in names, names  # the two newest a resume could use
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    ckpts = _manager_with(tmp_path, model_and_tokenizer, [4], keep_last=1)
+    ckpts.save(3, model, tok, {"step": 3})  # an older step than one on disk (checkpoint_every changed)
+    assert (tmp_path / "checkpoints" / "step_3" / "trainer_state.pt").exists()

@@ -44,10 +44,6 @@ def final_weights(result):
     return load_file(result.final_dir / "model.safetensors")
 
 
-def same_tensors(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 # ---------------------------------------------------------------- config
 @pytest.mark.parametrize("over,message", [
     (dict(train_batch_size=10, gradient_accumulation_steps=4), "train_batch_size (10) must be divisible by gradient_accumulation_steps (4)"),
@@ -201,7 +197,7 @@ def test_empty_response_never_reaches_the_loss_as_nan(grpo_config):
 
 # ---------------------------------------------------------------- the policy update and its KL early stop
 def test_policy_update_kl_early_stop_applies_only_the_first_optimizer_step(grpo_config, open_run, weights,
-                                                                           monkeypatch):
+                                                                           same_weights, monkeypatch):
     """Off-policy (two optimizer batches per rollout batch) with a tiny kl_stop: the first batch has
     approx KL(old || current) = 0 (old == current) and is applied; the second, measured after that
     step, exceeds kl_stop, is not applied, and leaves no gradient behind."""
@@ -234,8 +230,8 @@ def test_policy_update_kl_early_stop_applies_only_the_first_optimizer_step(grpo_
     ref_opt = make_optimizer(reference, cfg.learning_rate, cfg.betas)
     sums = accumulate_policy_gradient(reference, batch, first_rows, cfg, contributes, 0.0, CPU, nullcontext)
     optimizer_step(reference, ref_opt, make_scheduler(ref_opt, 0, 4), cfg.max_grad_norm, sums["loss"])
-    assert not same_tensors(reference.state_dict(), initial), "the first step moved nothing: nothing to tell apart"
-    assert same_tensors(run.model.state_dict(), reference.state_dict())
+    assert not same_weights(reference.state_dict(), initial), "the first step moved nothing: nothing to tell apart"
+    assert same_weights(run.model.state_dict(), reference.state_dict())
 
 
 # ---------------------------------------------------------------- trainer runs
@@ -336,12 +332,13 @@ def test_advantage_eps_zero_with_zero_variance_groups_keeps_the_weights_finite(g
     assert any(not torch.equal(after[k], before[k]) for k in after)  # ... and training moved the weights
 
 
-def test_zero_variance_everywhere_gives_zero_update_and_a_diagnosis(grpo_config, tiny_model, weights, capsys):
+def test_zero_variance_everywhere_gives_zero_update_and_a_diagnosis(grpo_config, tiny_model, weights, same_weights,
+                                                                    capsys):
     cfg = grpo_config(n_grpo_steps=3, health_window=2, reward="tests.reward_fixtures:always_zero")
     model, tok = tiny_model()
     before = weights(model)
     result = train_grpo(cfg, model=model, tokenizer=tok)
-    assert same_tensors(before, model.state_dict())
+    assert same_weights(before, model.state_dict())
     train = step_records(result)
     assert all(r["health/zero_variance_group_fraction"] == 1.0 for r in train)
     assert all(r["train/loss"] == 0.0 and r["train/grad_norm"] == 0.0 for r in train)
@@ -357,7 +354,7 @@ def _kl_stop_cfg(grpo_config, **kw):
                        log_generations_samples=0, reward="tests.reward_fixtures:length_parity", **kw)
 
 
-def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_batch(grpo_config, tmp_path,
+def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_batch(grpo_config, tmp_path, same_weights,
                                                                                     monkeypatch):
     stopped = train_grpo(_kl_stop_cfg(grpo_config, kl_stop=1e-9, run_dir=str(tmp_path / "stopped")))
     train = train_records(stopped)
@@ -372,7 +369,7 @@ def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_bat
     first_only = train_grpo(_kl_stop_cfg(grpo_config, kl_stop=None, run_dir=str(tmp_path / "first_only")))
     assert all(r["train/kl_early_stop"] == 0 for r in step_records(first_only))
     assert [r["grpo_step"] for r in train_records(first_only)] == [0, 1]
-    assert same_tensors(final_weights(stopped), final_weights(first_only))
+    assert same_weights(final_weights(stopped), final_weights(first_only))
 
 
 def test_off_policy_epochs_reshuffle_with_a_generator_seeded_per_step(grpo_config, monkeypatch):

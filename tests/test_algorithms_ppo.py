@@ -26,11 +26,8 @@ from grpolab.core import build_sequences, get_response_log_probs, kl_k1
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 
 CPU = torch.device("cpu")
-RUN = dict(rollout_batch_size=16, group_size=2, train_batch_size=8, ppo_epochs=2, learning_rate=1e-3)
-
-
-def same_params(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+RUN = dict(rollout_batch_size=16, group_size=2, train_batch_size=8, ppo_epochs=2, learning_rate=1e-3,
+           reward="tests.reward_fixtures:length_parity")  # rewards that vary: the updates move the weights
 
 
 def _sampled_batch(model, tok, n_prompts=8, group_size=2):
@@ -113,7 +110,7 @@ def test_score_tokens_rewards_the_last_token_and_penalises_k1_kl_per_token(tiny_
 
 # ---------------------------------------------------------------- the update and its KL early stop
 def test_ppo_update_kl_early_stop_does_not_apply_the_stopping_minibatch(tiny_model, open_run, tmp_path, small_run,
-                                                                       monkeypatch):
+                                                                       same_weights, monkeypatch):
     model, tok = tiny_model()
     cfg = PPOConfig(**{**RUN, "learning_rate": 1e-2}, kl_stop=1e-9, kl_coef=0.0, run_dir=str(tmp_path / "ppo"),
                     **small_run)
@@ -132,7 +129,7 @@ def test_ppo_update_kl_early_stop_does_not_apply_the_stopping_minibatch(tiny_mod
 
     monkeypatch.setattr(ppo, "optimizer_batches", spy)
     optimizer = make_optimizer(policy, cfg.learning_rate)
-    sums, stopped = ppo_update(run, policy, batch, cfg, optimizer, make_scheduler(optimizer, 0, 4), step=0)
+    _, stopped = ppo_update(run, policy, batch, cfg, optimizer, make_scheduler(optimizer, 0, 4), step=0)
     assert stopped and run.train_step == 1
     records = read_metrics(run.metrics_path)
     assert len(records) == 1 and records[0]["train/approx_kl_old_new"] < 1e-9
@@ -144,8 +141,8 @@ def test_ppo_update_kl_early_stop_does_not_apply_the_stopping_minibatch(tiny_mod
     ref_opt = make_optimizer(reference, cfg.learning_rate)
     _, ref_stopped = ppo_update(run, reference, batch, ref_cfg, ref_opt, make_scheduler(ref_opt, 0, 4), step=0)
     assert not ref_stopped
-    assert not same_params(reference, initial), "the first update moved nothing: nothing to tell apart"
-    assert same_params(policy, reference)
+    assert not same_weights(reference, initial), "the first update moved nothing: nothing to tell apart"
+    assert same_weights(policy, reference)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -176,7 +173,7 @@ def test_ppo_runs_with_gae_adaptive_kl_and_early_stop(tmp_path, small_run, monke
     steps = [r for r in records if "train/reward" in r]
     updates = [r for r in records if "train/value_loss" in r]
     assert len(steps) == 2 and [r["ppo_step"] for r in updates] == [0, 1]  # the early stop fired in each step ...
-    assert all(r["train/kl_early_stop"] == 1 for r in steps)
+    assert all(r["train/kl_early_stop"] == 1 for r in steps) and 0 < steps[0]["train/reward"] < 1
     assert all(math.isfinite(r["train/pg_loss"]) and r["train/approx_kl_old_new"] < 1e-9 for r in updates)
     assert (result.final_dir / "value_head.safetensors").exists()
     # the KL coefficient moved by the controller's rule, from the KL to the reference each step measured

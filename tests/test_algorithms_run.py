@@ -33,29 +33,30 @@ TIMEOUT = 240  # a hang guard only: every run here takes seconds
 
 COMMON = ["--show-progress", "false", "--device", "cpu", "--deterministic", "true", "--checkpoint-every", "1",
           "--seed", "0"]
-# Tiny runs of each trainer (5 outer steps, a checkpoint after each). Every step changes the weights
+N_STEPS = 5
+# Tiny runs of each trainer (N_STEPS outer steps, a checkpoint after each). Every step changes the weights
 # (SFT and DPO through their losses; the RL methods through a reward that the random tiny model
 # sometimes earns), so a resume that restored nothing cannot end with the same weights by accident.
 TRAINERS = {
-    "sft": ["sft", "--n-sft-steps", "5", "--train-batch-size", "4", "--gradient-accumulation-steps", "1",
+    "sft": ["sft", "--n-sft-steps", N_STEPS, "--train-batch-size", "4", "--gradient-accumulation-steps", "1",
             "--task-train-size", "20", "--eval-examples", "2", "--eval-every", "1", "--sampling-max-tokens", "4",
             "--warmup-steps", "0", "--learning-rate", "1e-3", "--lr-schedule", "cosine"],  # SFT's default schedule
-    "ei": ["ei", "--n-ei-steps", "5", "--ei-batch-size", "4", "--group-size", "2", "--train-batch-size", "4",
+    "ei": ["ei", "--n-ei-steps", N_STEPS, "--ei-batch-size", "4", "--group-size", "2", "--train-batch-size", "4",
            "--gradient-accumulation-steps", "1", "--task-train-size", "20", "--eval-examples", "2",
            "--sampling-max-tokens", "8", "--sampling-min-tokens", "1", "--learning-rate", "1e-3",
            "--reward", "tests.reward_fixtures:reward_any_digit"],
-    "grpo": ["grpo", "--n-grpo-steps", "5", "--rollout-batch-size", "8", "--group-size", "4", "--train-batch-size", "8",
+    "grpo": ["grpo", "--n-grpo-steps", N_STEPS, "--rollout-batch-size", "8", "--group-size", "4", "--train-batch-size", "8",
              "--gradient-accumulation-steps", "1", "--sampling-max-tokens", "8", "--sampling-min-tokens", "1",
              "--eval-examples", "2", "--eval-every", "1", "--task-train-size", "20", "--warmup-steps", "0",
              "--learning-rate", "1e-3", "--reward", "tests.reward_fixtures:reward_any_digit", "--keep-last", "10"],
-    "ppo": ["ppo", "--n-ppo-steps", "5", "--rollout-batch-size", "8", "--group-size", "2", "--train-batch-size", "4",
+    "ppo": ["ppo", "--n-ppo-steps", N_STEPS, "--rollout-batch-size", "8", "--group-size", "2", "--train-batch-size", "4",
             "--ppo-epochs", "1", "--task-train-size", "20", "--eval-examples", "2", "--eval-every", "1",
             "--sampling-max-tokens", "8", "--sampling-min-tokens", "1", "--learning-rate", "1e-3",
             "--reward", "tests.reward_fixtures:reward_any_digit"],
-    "dpo": ["dpo", "--n-dpo-steps", "5", "--train-batch-size", "2", "--task-train-size", "20", "--eval-pairs", "2",
+    "dpo": ["dpo", "--n-dpo-steps", N_STEPS, "--train-batch-size", "2", "--task-train-size", "20", "--eval-pairs", "2",
             "--eval-every", "1", "--learning-rate", "1e-3"],
 }
-GRPO_STEPS = 5
+GRPO_STEPS = N_STEPS
 
 
 # ---------------------------------------------------------------- helpers
@@ -75,14 +76,14 @@ class Proc:
     def __init__(self, argv: list[str], log_dir: Path, name: str, **popen):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
-        self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")
+        self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")  # noqa: SIM115 - closed in wait()
         self.argv, self.started = argv, time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL, cwd=ROOT,
                                      env=ENV, **popen)
         self.returncode: int | None = None
         self.wall_s: float | None = None
 
-    def wait(self, timeout: float = TIMEOUT) -> "Proc":
+    def wait(self, timeout: float = TIMEOUT) -> Proc:
         if self.returncode is None:
             try:
                 self.returncode = self.proc.wait(timeout)
@@ -104,7 +105,7 @@ class Proc:
     def stderr(self) -> str:
         return self.err_path.read_text()
 
-    def ok(self) -> "Proc":
+    def ok(self) -> Proc:
         self.wait()
         assert self.returncode == 0, f"{' '.join(self.argv[2:])} exited {self.returncode}:\n{self.stderr[-4000:]}"
         return self
@@ -246,11 +247,14 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_weights(trainer, tmp_pa
         wait_full = request.getfixturevalue("grpo_full")
     else:  # the uninterrupted run, side by side with the one to be killed
         full_proc = Proc(train_cmd(trainer, tmp_path / "full"), tmp_path, "full")
-        wait_full = lambda: full_proc.ok() and tmp_path / "full"  # noqa: E731
+
+        def wait_full() -> Path:
+            full_proc.ok()
+            return tmp_path / "full"
     killed = tmp_path / "killed"
     start_and_sigkill(train_cmd(trainer, killed), killed, tmp_path, "killed")
     resume_from = checkpoint_steps(killed)[-1]
-    assert 1 <= resume_from < 5, checkpoint_steps(killed)
+    assert 1 <= resume_from < N_STEPS, checkpoint_steps(killed)
     at_kill = load_file(str(killed / "checkpoints" / f"step_{resume_from}" / "model.safetensors"))
 
     resumed = Proc(grpolab(TRAINERS[trainer][0], "--resume", killed), tmp_path, "resume").ok()
@@ -265,7 +269,7 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_weights(trainer, tmp_pa
         assert_same_tensors(full_dir / "final" / "value_head.safetensors", killed / "final" / "value_head.safetensors")
 
 
-def test_resume_and_overwrite_remove_leftovers_of_interrupted_atomic_writes(grpo_full, tmp_path):
+def test_leftovers_of_interrupted_writes_are_removed_and_overwrite_replaces_the_run(grpo_full, tmp_path):
     full = grpo_full()
 
     def plant(run_dir: Path) -> list[Path]:
@@ -314,8 +318,7 @@ def test_a_fresh_run_into_a_directory_that_holds_a_run_is_refused_and_touches_no
 
     procs = run_together(tmp_path, **{name: train_cmd("grpo", d) for name, d in dirs.items()})
     for name, d in dirs.items():
-        line = assert_one_line_error(procs[name], "--resume", "--overwrite", str(d))
-        assert "already holds a run" in line
+        assert_one_line_error(procs[name], "--resume", "--overwrite", str(d))
         assert snapshot(d) == before[name], f"{name}: the refused run changed the directory"
 
 
@@ -345,7 +348,7 @@ def test_resume_refuses_a_changed_learning_rate_and_may_extend_the_run(grpo_full
     full = grpo_full()
     refused_dir, extended_dir = copy_run(full, tmp_path / "refused"), copy_run(full, tmp_path / "extended")
     before = snapshot(refused_dir)
-    old_lr = float(re.search(r"^learning_rate: (.+)$", (full / "config.yaml").read_text(), re.M).group(1))
+    old_lr = float(re.search(r"^learning_rate: (.+)$", (full / "config.yaml").read_text(), re.MULTILINE).group(1))
     procs = run_together(tmp_path,
                          refused=grpolab("grpo", "--resume", refused_dir, "--learning-rate", "0.5"),
                          extended=grpolab("grpo", "--resume", extended_dir, "--n-grpo-steps", GRPO_STEPS + 2))
@@ -362,29 +365,44 @@ def test_resume_refuses_a_changed_learning_rate_and_may_extend_the_run(grpo_full
     assert_some_tensor_differs(full / "final" / "model.safetensors", extended_dir / "final" / "model.safetensors")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: grpolab/algorithms/run.py Run.__init__ accepts --resume with n_grpo_steps below the steps already done: "
+    "run.steps() is empty, config.yaml records the smaller n_grpo_steps although more steps were trained, the final "
+    "validation is logged as grpo_step 2 after grpo_step 4, and final/ is rewritten. Refuse it (exit 2) after "
+    "resume_changes: if state['counters']['step'] > cfg.total_steps, raise ConfigError naming the field, the new "
+    "value and the steps done"))
+def test_resume_refuses_fewer_steps_than_the_run_has_done(grpo_full, tmp_path):
+    run_dir = copy_run(grpo_full(), tmp_path / "run")
+    before = snapshot(run_dir)
+    proc = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", 2), tmp_path, "shrink").wait()
+    assert_one_line_error(proc, "n_grpo_steps")
+    assert snapshot(run_dir) == before
+
+
 # ---------------------------------------------------------------- 4. a truncated newest checkpoint
 
 
-def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(grpo_full, tmp_path):
-    """As if killed after step 2's checkpoint, which the disk then lost half of: resume falls back
-    to step 1, says so, and still ends with the uninterrupted run's weights."""
+def test_truncated_newest_checkpoints_are_skipped_and_the_run_completes(grpo_full, tmp_path):
+    """As if killed after step 3's checkpoint, and the disk then lost half of step 3's weights and
+    half of step 2's trainer state: resume skips both (saying which and why), falls back to step 1,
+    and still ends with the uninterrupted run's weights."""
     full = grpo_full()
-    dirs = {}
-    for damaged in ("trainer_state.pt", "model.safetensors"):
-        d = copy_run(full, tmp_path / damaged.split(".")[0])
-        shutil.rmtree(d / "final")
-        for step in range(3, GRPO_STEPS + 1):
-            shutil.rmtree(d / "checkpoints" / f"step_{step}")
-        f = d / "checkpoints" / "step_2" / damaged
+    run_dir = copy_run(full, tmp_path / "run")
+    shutil.rmtree(run_dir / "final")
+    for step in range(4, GRPO_STEPS + 1):
+        shutil.rmtree(run_dir / "checkpoints" / f"step_{step}")
+    damaged = {3: run_dir / "checkpoints" / "step_3" / "model.safetensors",
+               2: run_dir / "checkpoints" / "step_2" / "trainer_state.pt"}
+    for f in damaged.values():
         os.truncate(f, f.stat().st_size // 2)
-        dirs[damaged] = d
-    procs = run_together(tmp_path, **{name: grpolab("grpo", "--resume", d) for name, d in dirs.items()})
-    for name, d in dirs.items():
-        procs[name].ok()
-        skipped = [line for line in procs[name].stderr.splitlines() if "step_2" in line]
-        assert skipped and "cannot be read (" in skipped[0] and "trying an older one" in skipped[0], procs[name].stderr
-        assert_same_tensors(full / "final" / "model.safetensors", d / "final" / "model.safetensors")
-        assert_no_duplicate_steps(d, like=full)
+
+    proc = Proc(grpolab("grpo", "--resume", run_dir), tmp_path, "resume").ok()
+    for step in damaged:
+        said = [line for line in proc.stderr.splitlines() if f"step_{step}" in line]
+        assert said and "cannot be read (" in said[0] and "trying an older one" in said[0], proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if "step_1 cannot be read" in line]
+    assert_same_tensors(full / "final" / "model.safetensors", run_dir / "final" / "model.safetensors")
+    assert_no_duplicate_steps(run_dir, like=full)
 
 
 # ---------------------------------------------------------------- 5. rewards that hang or crash

@@ -33,9 +33,10 @@ def grpolab(*args) -> list[str]:
 @pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason=f"no console script at {CONSOLE_SCRIPT} (pip install -e .)")
 @pytest.mark.parametrize("args", [["--help"], ["grpo", "--help"], ["eval", "--help"]], ids=" ".join)
 def test_python_m_grpolab_is_the_grpolab_command(args):
-    as_module = subprocess.run(grpolab(*args), capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=TIMEOUT)
-    as_script = subprocess.run([str(CONSOLE_SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=ENV,
+    as_module = subprocess.run(grpolab(*args), check=False, capture_output=True, text=True, cwd=ROOT, env=ENV,
                                timeout=TIMEOUT)
+    as_script = subprocess.run([str(CONSOLE_SCRIPT), *args], check=False, capture_output=True, text=True, cwd=ROOT,
+                               env=ENV, timeout=TIMEOUT)
     assert as_module.returncode == as_script.returncode == 0, as_module.stderr + as_script.stderr
     assert as_module.stdout == as_script.stdout
     assert as_module.stderr == as_script.stderr == ""
@@ -80,7 +81,8 @@ def refused(tmp_path_factory):
     """Every refused command, started together; name -> (its finished process, its scratch dir)."""
     tmp = tmp_path_factory.mktemp("refused")
     cases = _cases(tmp)
-    logs = {name: (open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")) for name in cases}
+    logs = {name: (open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+"))  # noqa: SIM115 - closed below
+            for name in cases}
     started = time.monotonic()
     procs = {name: subprocess.Popen(argv, stdout=logs[name][0], stderr=logs[name][1], stdin=subprocess.DEVNULL,
                                     cwd=ROOT, env=ENV) for name, argv in cases.items()}
@@ -138,4 +140,4 @@ def test_eval_out_that_is_a_file_is_refused_before_loading_or_sampling(refused):
         assert_one_line_error(results[name], str(a_file), "is a file")
     assert a_file.read_text() == "not a directory\n"
     # 6.4M sampled responses would take hours: the refusal came before any of them
-    assert results["eval_out_file_huge_eval"].wall_s < 120
+    assert results["eval_out_file_huge_eval"].wall_s < 180

@@ -5,19 +5,49 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpolab.algorithms.metrics import read_metrics
 from grpolab.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _test_set_metrics(model_dir, seed=0, n=8):
+    """The demo's held-out figures recomputed from a saved model directory: the same test questions
+    and sampling as the README describes (temperature 1, seeded), evaluated afresh."""
+    from grpolab.data import get_task, load_template
+    from grpolab.eval import evaluate
+    from grpolab.models import load_model_and_tokenizer
+    from grpolab.presets import DEMO_GRPO, TASK, TASK_OPTIONS
+    from grpolab.rollout import SamplingParams, make_backend
+
+    model, tok = load_model_and_tokenizer(str(model_dir))
+    task = get_task(TASK, seed=seed, **TASK_OPTIONS)
+    sampling = SamplingParams(temperature=1.0, max_tokens=DEMO_GRPO["sampling_max_tokens"], min_tokens=1,
+                              stop=["</answer>"], seed=seed + 12345)
+    return evaluate(make_backend("hf", model, tok), task.examples("test", n), load_template(task.default_template),
+                    task.reward_fn, sampling).metrics
+
+
 def test_demo_writes_summary_plot_metrics_and_final_model(tmp_path):
     summary = run_demo(tmp_path / "demo", seed=0, sft_steps=5, grpo_steps=2, test_examples=8, show_progress=False)
     written = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert written == json.loads(json.dumps(summary))
-    for phase in ("before", "after"):
-        assert {"accuracy", "format_rate", "mean_length"} <= set(written[phase])
+    # the table's figures are those of the saved models: the SFT model (sft/final) before GRPO and
+    # the final model after, recomputed here from the directories
+    before = _test_set_metrics(tmp_path / "demo" / "sft" / "final")
+    after = _test_set_metrics(tmp_path / "demo" / "final")
+    for phase, expected in (("before", before), ("after", after)):
+        for key in ("accuracy", "format_rate", "mean_length"):
+            assert written[phase][key] == pytest.approx(expected[key]), (phase, key)
+    assert written["accuracy_gain_points"] == pytest.approx(round(100 * (after["accuracy"] - before["accuracy"]), 1))
+    untrained = _test_set_metrics("embedded:tiny")  # the figures tell models apart: the untrained one differs
+    assert untrained["mean_length"] != before["mean_length"] or untrained["format_rate"] != before["format_rate"]
+    assert written["test_examples"] == 8 and written["seed"] == 0
+    grpo_steps = [r["grpo_step"] for r in read_metrics(tmp_path / "demo" / "grpo" / "metrics.jsonl") if "train/reward" in r]
+    assert grpo_steps == [0, 1]
+    assert summary["paths"]["final"] == str(tmp_path / "demo" / "final")
     assert {"sft_s", "eval_before_s", "grpo_s", "eval_after_s", "total_s"} <= set(written["wall_seconds"])
     assert (tmp_path / "demo" / "grpo_demo.png").stat().st_size > 1000
     assert (tmp_path / "demo" / "grpo" / "metrics.jsonl").exists()

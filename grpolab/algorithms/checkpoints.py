@@ -22,6 +22,15 @@ from ..models import save_model_and_tokenizer
 STATE_FILE = "trainer_state.pt"
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
@@ -60,7 +69,7 @@ def atomic_directory(target: Path, write) -> Path:
             shutil.rmtree(old, ignore_errors=True)
             os.rename(target, old)
         os.rename(tmp, target)
-        fsync_tree(target.parent) if target.parent.is_dir() else None
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,8 +119,11 @@ class CheckpointManager:
             torch.save(state, tmp / STATE_FILE)
 
         final = atomic_directory(self.root / f"step_{step}", write)
-        for old in self.all()[: -self.keep_last] if self.keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        # keep the newest keep_last up to this one; never the one just written, never a newer one
+        older = [p for p in self.all() if int(p.name[5:]) <= step]
+        for old in older[: -self.keep_last] if self.keep_last > 0 else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
         return final
 
     def all(self) -> list[Path]:
@@ -127,14 +139,19 @@ class CheckpointManager:
 
     def latest_loadable(self) -> tuple[Path, dict] | None:
         """The newest checkpoint whose state and weights load, with its state. Unreadable ones
-        (truncated, incomplete) are reported on stderr and skipped."""
+        (truncated, incomplete) are reported on stderr, skipped, and renamed ``unreadable_step_N``
+        (kept for inspection, out of the way of later saves and pruning)."""
         for path in reversed(self.all()):
             try:
                 state = self.load_state(path)
                 check_model_files(path)
             except Exception as exc:  # noqa: BLE001 - any failure to read means "skip this one"
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                print(f"grpolab: checkpoint {path} cannot be read ({reason}); trying an older one", file=sys.stderr)
+                aside = path.with_name(f"unreadable_{path.name}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(path, aside)
+                print(f"grpolab: checkpoint {path} cannot be read ({reason}); moved to {aside.name}, trying an older one",
+                      file=sys.stderr)
                 continue
             return path, state
         return None

@@ -220,7 +220,7 @@ class ResumeChanges:
 def resume_changes(saved: dict[str, Any], new: dict[str, Any]) -> ResumeChanges:
     """Which fields differ between a run's saved config and the one it is resumed with."""
     allowed, refused = {}, {}
-    for key in sorted(set(saved) | set(new)):
+    for key in sorted(saved):  # a field the saved run did not have (a newer grpolab) cannot have changed
         old, value = saved.get(key), new.get(key)
         if old != value and not (isinstance(old, (list, tuple)) and list(old) == list(value or [])):
             (allowed if key in RESUME_MAY_CHANGE else refused)[key] = (old, value)
