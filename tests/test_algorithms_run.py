@@ -228,16 +228,9 @@ def grpo_full(tmp_path_factory):
 # ---------------------------------------------------------------- 1. SIGKILL + resume, every trainer
 
 
-LR_SCHEDULER_BUG = (
-    "BUG: grpolab/algorithms/run.py Run.track restores the optimizer, then the trainer builds its LambdaLR "
-    "scheduler, whose constructor resets every param group's lr to base_lr * factor(0); restoring the "
-    "scheduler's state_dict afterwards does not put the lr back, so the first step after --resume uses the "
-    "step-0 learning rate (any warm-up or cosine schedule: SFT's default, GRPO's default warm-up)")
-
-
 @pytest.mark.parametrize("trainer", [
     "grpo",
-    pytest.param("sft", marks=pytest.mark.xfail(reason=LR_SCHEDULER_BUG, raises=WeightsDiffer, strict=True)),
+    "sft",  # cosine schedule with warm-up: the resumed step must use the saved learning rate
     "ei",
     "ppo",
     "dpo",
@@ -365,12 +358,6 @@ def test_resume_refuses_a_changed_learning_rate_and_may_extend_the_run(grpo_full
     assert_some_tensor_differs(full / "final" / "model.safetensors", extended_dir / "final" / "model.safetensors")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: grpolab/algorithms/run.py Run.__init__ accepts --resume with n_grpo_steps below the steps already done: "
-    "run.steps() is empty, config.yaml records the smaller n_grpo_steps although more steps were trained, the final "
-    "validation is logged as grpo_step 2 after grpo_step 4, and final/ is rewritten. Refuse it (exit 2) after "
-    "resume_changes: if state['counters']['step'] > cfg.total_steps, raise ConfigError naming the field, the new "
-    "value and the steps done"))
 def test_resume_refuses_fewer_steps_than_the_run_has_done(grpo_full, tmp_path):
     run_dir = copy_run(grpo_full(), tmp_path / "run")
     before = snapshot(run_dir)

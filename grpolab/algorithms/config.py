@@ -18,11 +18,13 @@ class ConfigError(ValueError):
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     parts = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        key = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown key '{key}'")
+        elif not key:  # a rule across fields: its message names them
+            parts.append(msg)
         else:
-            msg = err["msg"].removeprefix("Value error, ")
             parts.append(f"'{key}': {msg} (got {err.get('input')!r})")
     return f"{source}: " + "; ".join(parts)
 

@@ -156,6 +156,10 @@ class Run:
             if changes.refused:
                 raise ConfigError(f"--resume {self.path}: the run's config cannot change on resume: {changes.refused} "
                                   f"(only {', '.join(changes.allowed_keys)} may)")
+            done = int(self.state.get("counters", {}).get("step", 0))
+            if done > cfg.total_steps:
+                raise ConfigError(f"--resume {self.path}: the run has done {done} steps, more than "
+                                  f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = resolve_device(cfg.device)
         if self.resumed_from is not None:
@@ -207,6 +211,10 @@ class Run:
         self._tracked[name] = obj
         if self.state is not None and name in self.state:
             obj.load_state_dict(self.state[name])
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                # building a scheduler resets the optimizer's lr to its step-0 value; put back the saved one
+                for group, lr in zip(obj.optimizer.param_groups, obj.get_last_lr()):
+                    group["lr"] = lr
         return obj
 
     def track_rng(self, name: str, generator: torch.Generator) -> torch.Generator:
