@@ -37,10 +37,12 @@ def parse_variants(text: str) -> list[str]:
 
 
 def variant_config(name: str, run_dir: Path, steps: int, seed: int, show_progress: bool,
-                   eval_examples: int = 100) -> GRPOConfig:
-    """The demo's GRPO run with the variant's fields, stopped after ``steps x 128`` sampled responses."""
-    budget = steps * ROLLOUTS_PER_STEP
-    fields = {**DEMO_GRPO, **VARIANTS[name], "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "device": "cpu",
+                   eval_examples: int = 100, overrides: dict | None = None) -> GRPOConfig:
+    """The demo's GRPO run with the variant's fields, stopped after ``steps x rollout_batch_size``
+    (128) sampled responses. ``overrides`` (e.g. a smaller batch for a quick check) apply to every variant."""
+    overrides = overrides or {}
+    budget = steps * overrides.get("rollout_batch_size", ROLLOUTS_PER_STEP)
+    fields = {**DEMO_GRPO, **VARIANTS[name], **overrides, "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "device": "cpu",
               "show_progress": show_progress, "run_dir": str(run_dir), "max_rollout_samples": budget,
               "n_grpo_steps": steps * VARIANTS[name].get("max_sampling_rounds", 1), "eval_every": max(1, steps // 5),
               "eval_examples": eval_examples, "log_generations_samples": 0}
@@ -60,7 +62,7 @@ def _curves(metrics_path: Path) -> dict[str, list]:
 
 
 def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int = 40, warm_steps: int = 200,
-                 test_examples: int = 200, show_progress: bool = True) -> dict:
+                 test_examples: int = 200, show_progress: bool = True, overrides: dict | None = None) -> dict:
     run_dir = Path(run_dir)
     task = get_task(TASK, seed=0, **TASK_OPTIONS)
     test, template = task.examples("test", test_examples), load_template(task.default_template)
@@ -76,19 +78,21 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
         print(f"[seed {seed}] warm start: SFT {warm_steps} steps")
         train_sft(warm, model=base, tokenizer=tok, overwrite=True)
         for name in variants:
-            print(f"[seed {seed}] {name}: {steps * ROLLOUTS_PER_STEP} sampled responses")
+            print(f"[seed {seed}] {name}: {steps * (overrides or {}).get('rollout_batch_size', ROLLOUTS_PER_STEP)} "
+                  "sampled responses")
             model, t = copy.deepcopy(base), time.perf_counter()
-            cfg = variant_config(name, run_dir / f"seed{seed}" / name, steps, seed, show_progress, min(100, test_examples))
+            cfg = variant_config(name, run_dir / f"seed{seed}" / name, steps, seed, show_progress, min(100, test_examples),
+                                 overrides)
             result = train_grpo(cfg, model=model, tokenizer=tok, overwrite=True)
             wall = time.perf_counter() - t
             accuracy = evaluate(make_backend("hf", model, tok), test, template, task.reward_fn, sampling).metrics["accuracy"]
             runs[name].append({"seed": seed, "accuracy": accuracy, "wall_s": round(wall, 1), **_curves(result.metrics_path)})
-    report = summarize(runs, seeds, steps, len(test))
+    report = summarize(runs, seeds, steps * (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP), len(test))
     write_report(run_dir, report)
     return report
 
 
-def summarize(runs: dict[str, list[dict]], seeds: int, steps: int, n_test: int) -> dict:
+def summarize(runs: dict[str, list[dict]], seeds: int, budget: int, n_test: int) -> dict:
     table = {}
     for name, per_seed in runs.items():
         acc = [r["accuracy"] for r in per_seed]
@@ -96,7 +100,7 @@ def summarize(runs: dict[str, list[dict]], seeds: int, steps: int, n_test: int) 
                        "wall_s_mean": statistics.fmean(r["wall_s"] for r in per_seed),
                        "tokens_trained_mean": statistics.fmean(r["tokens_trained"] for r in per_seed),
                        "groups_dropped_mean": statistics.fmean(r["groups_dropped"] for r in per_seed)}
-    return {"task": TASK, "task_options": TASK_OPTIONS, "seeds": seeds, "sample_budget": steps * ROLLOUTS_PER_STEP,
+    return {"task": TASK, "task_options": TASK_OPTIONS, "seeds": seeds, "sample_budget": budget,
             "test_questions": n_test, "variants": table, "runs": runs}
 
 

@@ -30,8 +30,10 @@ def test_unknown_variant_is_one_clear_error():
 
 
 def test_report_aggregates_the_seeds(tmp_path):
-    report = run_variants(tmp_path, ["dr_grpo", "dapo"], seeds=2, steps=1, warm_steps=2, test_examples=8,
-                          show_progress=False)
+    quick = dict(rollout_batch_size=16, train_batch_size=16, sampling_max_tokens=8)
+    report = run_variants(tmp_path, ["dr_grpo", "dapo"], seeds=2, steps=2, warm_steps=2, test_examples=8,
+                          show_progress=False, overrides=quick)
+    assert report["sample_budget"] == 32
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["variants"] == report["variants"]
     assert (tmp_path / "report.png").stat().st_size > 1000 and "| dapo |" in (tmp_path / "report.md").read_text()
@@ -41,7 +43,7 @@ def test_report_aggregates_the_seeds(tmp_path):
         accs = [r["accuracy"] for r in runs]
         assert report["variants"][name]["accuracy_mean"] == pytest.approx(statistics.fmean(accs))
         assert report["variants"][name]["accuracy_std"] == pytest.approx(statistics.stdev(accs))
-        # every run spent its budget: 128 sampled responses (dynamic sampling may draw more rounds in one step)
+        # every run spent its budget of 32 sampled responses (dynamic sampling may draw more rounds in one step)
         metrics = [json.loads(l) for l in (tmp_path / "seed0" / name / "metrics.jsonl").read_text().splitlines()]
         drawn = [m["train/samples_drawn"] for m in metrics if "train/samples_drawn" in m]
-        assert drawn[-1] >= 128 and (len(drawn) == 1 or drawn[-2] < 128)
+        assert drawn[-1] >= 32 and (len(drawn) == 1 or drawn[-2] < 32)
