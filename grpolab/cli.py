@@ -90,6 +90,15 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     except RunInterrupted as exc:
         typer.echo(f"grpolab: {exc}", err=True)
         raise typer.Exit(130)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say where the run can continue from
+        if "cfg" in locals():
+            from .algorithms.checkpoints import CheckpointManager
+
+            newest = CheckpointManager(Path(cfg.run_dir) / "checkpoints").latest()
+            where = (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
+                     else "no checkpoint was written")
+            typer.echo(f"grpolab: stopped at once; {where}", err=True)
+        raise typer.Exit(130)
     except _user_errors() as exc:
         _fail(str(exc))
     except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch

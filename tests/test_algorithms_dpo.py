@@ -125,3 +125,23 @@ def test_dpo_on_a_preference_file(tmp_path):
     assert result.after["preference_accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and result.after["reward_margin"] != 0.0
     evals = [r for r in read_metrics(result.metrics_path) if "eval_step" in r]
     assert [r["dpo_step"] for r in evals] == [0, 2]
+
+
+def test_a_nan_loss_never_reaches_the_weights_and_is_counted(tmp_path, capsys):
+    """One embedding row is NaN, so every batch's loss is NaN: each optimizer step is skipped,
+    counted in health/nonfinite_steps and reported; the other weights do not move."""
+    from grpolab.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tok.convert_tokens_to_ids("<think>")] = float("nan")  # in every prompt
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train_dpo(DPOConfig(n_dpo_steps=3, train_batch_size=4, task_train_size=8, eval_pairs=4, learning_rate=1e-3,
+                                 run_dir=str(tmp_path / "dpo"), show_progress=False, device="cpu"),
+                       model=model, tokenizer=tok)
+    steps = [r for r in read_metrics(result.metrics_path) if "train_step" in r]
+    assert [r["health/nonfinite_steps"] for r in steps] == [1, 2, 3]
+    for name, value in model.state_dict().items():
+        assert torch.equal(torch.nan_to_num(value), torch.nan_to_num(start[name])), name
+    captured = capsys.readouterr()
+    assert "skipped: the loss or gradient norm is not finite" in captured.out + captured.err

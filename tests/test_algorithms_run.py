@@ -475,6 +475,7 @@ def test_ctrl_c_checkpoints_the_step_and_hints_resume_a_second_ctrl_c_stops_at_o
     assert b.returncode != 0
     assert stopped_s < 30, f"took {stopped_s:.0f}s to stop after the second Ctrl-C"
     assert "interrupted after step" not in b.stderr and checkpoint_steps(twice) == []
+    assert "grpolab: stopped at once; no checkpoint was written" in b.stderr
     assert not any(r.get("train_step") is not None for r in records(twice)), "the step was finished"
 
     resumed = Proc(grpolab("grpo", "--resume", once), tmp_path, "resume").ok()

@@ -149,3 +149,4 @@ def test_sft_resume_matches_uninterrupted(sft_config, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     steps = [r["train_step"] for r in read_metrics(resumed.metrics_path) if "train_step" in r]
     assert steps == list(range(6))
+
