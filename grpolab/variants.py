@@ -69,6 +69,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
     sampling = SamplingParams(temperature=1.0, max_tokens=DEMO_GRPO["sampling_max_tokens"], min_tokens=1,
                               stop=["</answer>"], seed=12345)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
+    warm_accuracy: list[float] = []
     for seed in range(seeds):
         base, tok = load_model_and_tokenizer("embedded:tiny", seed=seed)
         warm = SFTConfig(**{**DEMO_SFT, "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "device": "cpu",
@@ -77,6 +78,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
                             "run_dir": str(run_dir / f"seed{seed}" / "warm_start")})
         print(f"[seed {seed}] warm start: SFT {warm_steps} steps")
         train_sft(warm, model=base, tokenizer=tok, overwrite=True)
+        warm_accuracy.append(evaluate(make_backend("hf", base, tok), test, template, task.reward_fn, sampling).metrics["accuracy"])
         for name in variants:
             print(f"[seed {seed}] {name}: {steps * (overrides or {}).get('rollout_batch_size', ROLLOUTS_PER_STEP)} "
                   "sampled responses")
@@ -88,6 +90,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
             accuracy = evaluate(make_backend("hf", model, tok), test, template, task.reward_fn, sampling).metrics["accuracy"]
             runs[name].append({"seed": seed, "accuracy": accuracy, "wall_s": round(wall, 1), **_curves(result.metrics_path)})
     report = summarize(runs, seeds, steps * (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP), len(test))
+    report["warm_start_accuracy"] = warm_accuracy
     write_report(run_dir, report)
     return report
 
@@ -110,6 +113,10 @@ def format_report(report: dict) -> str:
              f"sampled responses; final accuracy on {report['test_questions']} held-out questions (1 sample each, T = 1).",
              "", "| variant | final accuracy (mean ± std) | wall time (s) | tokens trained | groups dropped |",
              "|---|---|---|---|---|"]
+    warm = report.get("warm_start_accuracy") or []
+    if warm:
+        std = statistics.stdev(warm) if len(warm) > 1 else 0.0
+        lines.append(f"| (SFT warm start) | {statistics.fmean(warm):.1%} ± {std:.1%} | | | |")
     for name, r in report["variants"].items():
         lines.append(f"| {name} | {r['accuracy_mean']:.1%} ± {r['accuracy_std']:.1%} | {r['wall_s_mean']:.0f} | "
                      f"{r['tokens_trained_mean']:,.0f} | {r['groups_dropped_mean']:.0f} |")
