@@ -83,28 +83,28 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
 
     _quiet_hf()
     config_cls, train = _trainers()[command]
-    args = list(ctx.args)
     try:
-        cfg = _build(config_cls, config, args, resume)
+        cfg = _build(config_cls, config, list(ctx.args), resume)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    try:
         return train(cfg, resume=resume is not None, overwrite=overwrite)
     except RunInterrupted as exc:
         typer.echo(f"grpolab: {exc}", err=True)
         raise typer.Exit(130)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say where the run can continue from
-        if "cfg" in locals():
-            from .algorithms.checkpoints import CheckpointManager
+        from .algorithms.checkpoints import CheckpointManager
 
-            newest = CheckpointManager(Path(cfg.run_dir) / "checkpoints").latest()
-            where = (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
-                     else "no checkpoint was written")
-            typer.echo(f"grpolab: stopped at once; {where}", err=True)
+        newest = CheckpointManager(Path(cfg.run_dir) / "checkpoints").latest()
+        where = (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
+                 else "no checkpoint was written")
+        typer.echo(f"grpolab: stopped at once; {where}", err=True)
         raise typer.Exit(130)
     except _user_errors() as exc:
         _fail(str(exc))
     except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch
         if getattr(exc, "errno", None) == 28 or "No space left on device" in str(exc):
-            where = getattr(exc, "filename", None) or (cfg.run_dir if "cfg" in locals() else "")
-            _fail(f"no space left on device: {where}")
+            _fail(f"no space left on device: {getattr(exc, 'filename', None) or cfg.run_dir}")
         raise
 
 

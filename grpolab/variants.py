@@ -68,6 +68,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
     test, template = task.examples("test", test_examples), load_template(task.default_template)
     sampling = SamplingParams(temperature=1.0, max_tokens=DEMO_GRPO["sampling_max_tokens"], min_tokens=1,
                               stop=["</answer>"], seed=12345)
+    per_step = (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     warm_accuracy: list[float] = []
     for seed in range(seeds):
@@ -80,8 +81,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
         train_sft(warm, model=base, tokenizer=tok, overwrite=True)
         warm_accuracy.append(evaluate(make_backend("hf", base, tok), test, template, task.reward_fn, sampling).metrics["accuracy"])
         for name in variants:
-            print(f"[seed {seed}] {name}: {steps * (overrides or {}).get('rollout_batch_size', ROLLOUTS_PER_STEP)} "
-                  "sampled responses")
+            print(f"[seed {seed}] {name}: {steps * per_step} sampled responses")
             model, t = copy.deepcopy(base), time.perf_counter()
             cfg = variant_config(name, run_dir / f"seed{seed}" / name, steps, seed, show_progress, min(100, test_examples),
                                  overrides)
@@ -89,7 +89,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
             wall = time.perf_counter() - t
             accuracy = evaluate(make_backend("hf", model, tok), test, template, task.reward_fn, sampling).metrics["accuracy"]
             runs[name].append({"seed": seed, "accuracy": accuracy, "wall_s": round(wall, 1), **_curves(result.metrics_path)})
-    report = summarize(runs, seeds, steps * (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP), len(test))
+    report = summarize(runs, seeds, steps * per_step, len(test))
     report["warm_start_accuracy"] = warm_accuracy
     write_report(run_dir, report)
     return report

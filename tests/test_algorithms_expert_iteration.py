@@ -8,22 +8,7 @@ import grpolab.algorithms.expert_iteration as ei
 from grpolab.algorithms.expert_iteration import EIConfig, sft_on_kept, train_expert_iteration
 from grpolab.algorithms.metrics import read_metrics
 from tests.reward_fixtures import reward_any_digit
-
-
-def hand_sft_gradient(model, sequences):
-    """Mean over sequences of the summed NLL of every response id (normalize_constant 1): the
-    gradient, and the summed NLL."""
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for prompt, response in sequences:
-        ids = torch.tensor(prompt + response)
-        logp = torch.log_softmax(model(ids[None, :-1]).logits[0].float(), -1)
-        positions = torch.arange(len(prompt) - 1, len(ids) - 1)
-        total = total - logp[positions, ids[positions + 1]].sum()
-    (total / len(sequences)).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return grads, total.item()
+from tests.sft_reference import hand_sft_gradient
 
 
 def test_sft_on_kept_trains_the_exact_ids_including_the_end_token(tiny_model, open_run, tmp_path, small_run):
@@ -34,8 +19,9 @@ def test_sft_on_kept_trains_the_exact_ids_including_the_end_token(tiny_model, op
                    **small_run)
     run = open_run(cfg, model, tok)
     before = [p.detach().clone() for p in run.model.parameters()]
-    expected, nll = hand_sft_gradient(run.model, kept)
-    without_eos, _ = hand_sft_gradient(run.model, [(p, r[:-1]) for p, r in kept])
+    loss, expected = hand_sft_gradient(run.model, kept, 1.0)
+    nll = loss * len(kept)  # the summed NLL of every response id
+    _, without_eos = hand_sft_gradient(run.model, [(p, r[:-1]) for p, r in kept], 1.0)
     optimizer = torch.optim.SGD(run.model.parameters(), lr=1.0)  # one step: weights - gradient
     losses = sft_on_kept(run, optimizer, kept, cfg, step=0, pad_id=tok.pad_token_id)
     assert len(losses) == 1 and run.train_step == 1

@@ -11,6 +11,7 @@ from grpolab.algorithms.config import ConfigError
 from grpolab.algorithms.metrics import read_metrics
 from grpolab.algorithms.sft import SFTConfig, accumulate_sft_gradient, sft_pairs, tokenize_pairs, train_sft
 from grpolab.data import SFTPair
+from tests.sft_reference import hand_sft_gradient
 
 CPU = torch.device("cpu")
 
@@ -25,20 +26,6 @@ def sft_config(tmp_path):
         return SFTConfig(**base)
 
     return make
-
-
-def hand_sft_gradient(model, sequences, normalize_constant):
-    """The SFT loss written out: mean over sequences of (sum of the response tokens' NLL) / constant."""
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for prompt, response in sequences:
-        ids = torch.tensor(prompt + response)
-        logp = torch.log_softmax(model(ids[None, :-1]).logits[0].float(), -1)
-        positions = torch.arange(len(prompt) - 1, len(ids) - 1)
-        total = total - logp[positions, ids[positions + 1]].sum()
-    loss = total / normalize_constant / len(sequences)
-    loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
 # ---------------------------------------------------------------- units

@@ -47,7 +47,7 @@ from .gradients import accumulate_policy_gradient
 from .health import HealthMonitor, rollout_health
 from .inputs import load_inputs
 from .metrics import plot_grpo_run
-from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
 from .run import ListState, Run, TrainResult, frozen_copy, validation
 from .sampling import sample_groups
@@ -215,13 +215,13 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
                 stopped = True
                 break
             result = run.optimizer_step(optimizer, scheduler, sums["loss"])
-            record = {
+            record = run.update_record({
                 "train_step": run.train_step, "grpo_step": step, "epoch": epoch,
-                "train/loss": sums["loss"], "train/grad_norm": result.grad_norm, "train/token_entropy": sums["entropy"] / tok,
+                "train/loss": sums["loss"], "train/token_entropy": sums["entropy"] / tok,
                 "train/clip_fraction": sums["clip"] / tok, "train/approx_kl_old_new": approx_kl,
-                "train/lr": current_lr(optimizer), "train/kl_coef": kl_ctl.value,
-                "train/rows_trained": int(contributes[rows].sum()), "train/tokens_trained": int(sums["tokens"]), "health/nonfinite_steps": run.nonfinite_steps,
-            }
+                "train/kl_coef": kl_ctl.value,
+                "train/rows_trained": int(contributes[rows].sum()), "train/tokens_trained": int(sums["tokens"]),
+            }, result, optimizer)
             if has_reference:
                 record["train/kl"] = sums["kl"] / tok
                 kl_values.append(sums["kl"] / tok)

@@ -39,34 +39,33 @@ def data_options(cfg) -> dict:
             "on_error": cfg.data_on_error}
 
 
+def template_and_reward(task, prompt_template: str | None, reward: Any) -> tuple[Any, Any]:
+    """The prompt template and reward: the ones given, else the embedded task's own, else r1_zero."""
+    template = load_template(prompt_template or (task.default_template if task is not None else "r1_zero"))
+    if reward is not None:
+        return template, build_reward(reward)
+    return template, task.reward_fn if task is not None else build_reward("r1_zero")
+
+
 def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
                  reward: Any = None, task_options: dict | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
-    """``task:NAME`` (an embedded task's ``split``) or a data file -> (examples[:n], template, reward).
-    The embedded task brings its own template and verifier; a file defaults to r1_zero."""
-    if source.startswith("task:"):
-        task = get_task(source[5:], seed=seed, **(task_options or {}))
-        return (task.examples(split, n), load_template(prompt_template or task.default_template),
-                build_reward(reward) if reward is not None else task.reward_fn)
-    examples = list(load_examples(source, **data_kw))[:n]
-    return examples, load_template(prompt_template or "r1_zero"), build_reward(reward if reward is not None else "r1_zero")
+    """``task:NAME`` (an embedded task's ``split``) or a data file -> (examples[:n], template, reward)."""
+    task = get_task(source[5:], seed=seed, **(task_options or {})) if source.startswith("task:") else None
+    examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
+    return (examples, *template_and_reward(task, prompt_template, reward))
 
 
 def load_inputs(cfg) -> Inputs:
     """The examples, template and reward of a config with the shared data fields."""
-    if cfg.task is not None:
-        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
-        train = task.examples("train", cfg.task_train_size)
-        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else task.examples("validation", cfg.eval_examples)
-        template = load_template(cfg.prompt_template or task.default_template)
-        reward = build_reward(cfg.reward) if cfg.reward is not None else task.reward_fn
+    task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options) if cfg.task is not None else None
+    train = task.examples("train", cfg.task_train_size) if task is not None else load_examples(cfg.train_data, **data_options(cfg))
+    if cfg.eval_data:
+        evals = load_examples(cfg.eval_data, **data_options(cfg))
     else:
-        train = load_examples(cfg.train_data, **data_options(cfg))
-        evals = load_examples(cfg.eval_data, **data_options(cfg)) if cfg.eval_data else []
-        template = load_template(cfg.prompt_template or "r1_zero")
-        reward = build_reward(cfg.reward if cfg.reward is not None else "r1_zero")
+        evals = task.examples("validation", cfg.eval_examples) if task is not None else []
     if not train:
         raise DataError(f"{cfg.train_data or cfg.task}: no training examples")
-    return Inputs(list(train), list(evals)[: cfg.eval_examples], template, reward)
+    return Inputs(list(train), list(evals)[: cfg.eval_examples], *template_and_reward(task, cfg.prompt_template, cfg.reward))
 
 
 def looks_like_sft_pairs(path: str) -> bool:
@@ -88,8 +87,7 @@ def load_sft_inputs(cfg) -> tuple[list[SFTPair], Inputs]:
     if cfg.train_data is not None and looks_like_sft_pairs(cfg.train_data):
         pairs = list(load_sft_pairs(cfg.train_data))
         evals = list(load_examples(cfg.eval_data, **data_options(cfg)))[: cfg.eval_examples] if cfg.eval_data else []
-        inputs = Inputs(pairs, evals, load_template(cfg.prompt_template or "r1_zero"),
-                        build_reward(cfg.reward if cfg.reward is not None else "r1_zero"))
+        inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward))
         return pairs, inputs
     inputs = load_inputs(cfg)
     missing = [i for i, e in enumerate(inputs.train) if not e.solution]

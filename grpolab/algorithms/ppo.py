@@ -38,7 +38,7 @@ from ..rollout import make_backend
 from .batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
 from .config import PolicyUpdateConfig
 from .inputs import load_inputs
-from .optimization import current_lr, effective_warmup, make_optimizer, make_scheduler
+from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
 from .run import Run, TrainResult, frozen_copy, validation
 
@@ -154,12 +154,11 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
                 optimizer.zero_grad(set_to_none=True)  # measured before the step: not applied
                 return sums, True
             result = run.optimizer_step(optimizer, scheduler, f["loss"], parameters_of=policy)
-            run.log({"train_step": run.train_step, "ppo_step": step, "epoch": epoch,
-                     "train/pg_loss": f["pg_loss"] / tok, "train/value_loss": f["value_loss"] / tok,
-                     "train/clip_fraction": f["clip"] / tok, "train/value_clip_fraction": f["value_clip"] / tok,
-                     "train/token_entropy": f["entropy"] / tok, "train/approx_kl_old_new": f["approx_kl"] / tok,
-                     "train/grad_norm": result.grad_norm, "train/lr": current_lr(optimizer),
-                     "health/nonfinite_steps": run.nonfinite_steps})
+            run.log_update({"train_step": run.train_step, "ppo_step": step, "epoch": epoch,
+                            "train/pg_loss": f["pg_loss"] / tok, "train/value_loss": f["value_loss"] / tok,
+                            "train/clip_fraction": f["clip"] / tok, "train/value_clip_fraction": f["value_clip"] / tok,
+                            "train/token_entropy": f["entropy"] / tok, "train/approx_kl_old_new": f["approx_kl"] / tok},
+                           result, optimizer)
             run.train_step += 1
             for k, v in f.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -22,15 +22,20 @@ def context_length(model) -> int | None:
     return None
 
 
-def check_prompt_lengths(examples: list, template, tokenizer, model, max_new_tokens: int, on_error: str = "raise") -> list:
+def prompt_lengths(examples: list, template, tokenizer) -> list[int]:
+    prompts = [template.format(e.question) for e in examples]
+    return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
+
+
+def check_prompt_lengths(examples: list, template, tokenizer, model, max_new_tokens: int, on_error: str = "raise",
+                         lengths: list[int] | None = None) -> list:
     """Examples whose prompt plus ``max_new_tokens`` fits the model's context. A longer one is an
     error naming where it came from (``file:line``), or — with ``on_error="skip"`` — dropped,
-    counted and reported once on stderr."""
+    counted and reported once on stderr. ``lengths``: the prompts' token counts, if known."""
     limit = context_length(model)
     if limit is None or not examples:
         return examples
-    prompts = [template.format(e.question) for e in examples]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    lengths = lengths if lengths is not None else prompt_lengths(examples, template, tokenizer)
     kept, dropped = [], []
     for example, n in zip(examples, lengths):
         if n + max_new_tokens <= limit:
@@ -98,15 +103,15 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
     the rollout batch fits memory. Returns ``check(model, tokenizer, device)``."""
 
     def check(model, tokenizer, device) -> None:
-        if check_train:
-            inputs.train = check_prompt_lengths(inputs.train, inputs.template, tokenizer, model, cfg.sampling_max_tokens,
-                                                cfg.data_on_error)
-        if inputs.evals:
-            inputs.evals = check_prompt_lengths(inputs.evals, inputs.template, tokenizer, model, cfg.sampling_max_tokens,
-                                                cfg.data_on_error)
-        sample = (inputs.train if check_train else inputs.evals)[:1000]
-        if sample:
-            ids = tokenizer([inputs.template.format(e.question) for e in sample], add_special_tokens=False)["input_ids"]
-            check_rollout_memory(model, device, cfg.rollout_max_batch_size, max(len(i) for i in ids), cfg.sampling_max_tokens)
+        limit, longest = context_length(model), 0
+        for name in ("train", "evals") if check_train else ("evals",):
+            examples = getattr(inputs, name)
+            lengths = prompt_lengths(examples, inputs.template, tokenizer)  # tokenised once for both checks
+            setattr(inputs, name, check_prompt_lengths(examples, inputs.template, tokenizer, model,
+                                                       cfg.sampling_max_tokens, cfg.data_on_error, lengths))
+            fitting = [n for n in lengths if limit is None or n + cfg.sampling_max_tokens <= limit]
+            longest = max([longest, *fitting])
+        if longest:
+            check_rollout_memory(model, device, cfg.rollout_max_batch_size, longest, cfg.sampling_max_tokens)
 
     return check

@@ -34,7 +34,7 @@ from ..models import load_model_and_tokenizer
 from .checkpoints import CheckpointManager, atomic_write_text, remove_leftovers, save_final
 from .config import ConfigError, resume_changes
 from .metrics import MetricsLogger, progress
-from .optimization import StepResult, optimizer_step
+from .optimization import StepResult, current_lr, optimizer_step
 
 
 class RunInterrupted(Exception):
@@ -197,6 +197,8 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self.bar = progress(self.total_steps, cfg.command.upper(), cfg.show_progress, initial=self.step)
+        if self.state is not None:  # after the model is loaded: nothing below may draw from it before the loop
+            torch.set_rng_state(self.state["rng"]["torch"])
 
     # ------------------------------------------------------------ state
 
@@ -222,7 +224,6 @@ class Run:
         self._generators[name] = generator
         if self.state is not None:
             generator.set_state(self.state["rng"][name])
-            torch.set_rng_state(self.state["rng"]["torch"])
         return generator
 
     def checkpoint(self, done: int) -> Path:
@@ -254,13 +255,16 @@ class Run:
                            "Lower learning_rate, use float32, or check the rewards and advantage_eps.")
         return result
 
-    def log_update(self, record: dict[str, Any], result: StepResult, optimizer=None) -> None:
-        """Log one optimizer step's record with its gradient norm, learning rate and the count of
+    def update_record(self, record: dict[str, Any], result: StepResult, optimizer=None) -> dict[str, Any]:
+        """One optimizer step's record with its gradient norm, learning rate and the count of
         skipped (non-finite) steps so far."""
         extra = {"train/grad_norm": result.grad_norm, "health/nonfinite_steps": self.nonfinite_steps}
         if optimizer is not None:
-            extra["train/lr"] = float(optimizer.param_groups[0]["lr"])
-        self.log({**record, **extra})
+            extra["train/lr"] = current_lr(optimizer)
+        return {**record, **extra}
+
+    def log_update(self, record: dict[str, Any], result: StepResult, optimizer=None) -> None:
+        self.log(self.update_record(record, result, optimizer))
 
     def validate(self, step: int, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run ``evaluate()`` and log its figures as ``eval/*`` with ``eval_step`` and the outer step."""
