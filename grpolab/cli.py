@@ -168,6 +168,7 @@ def eval_cmd(
     out: Path = typer.Option(Path("runs/eval"), "--out", help="Where eval.json and generations.jsonl go."),
     seed: int = typer.Option(0, "--seed"),
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds a reward may take per response."),
+    backend: str = typer.Option("hf", "--backend", help="Sampler: hf (the model itself) or vllm (a vLLM engine)."),
 ) -> None:
     """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
     _quiet_hf()
@@ -179,13 +180,17 @@ def eval_cmd(
     try:
         if n < 1:
             raise ValueError(f"--n (questions to evaluate) must be at least 1, got {n}")
+        if backend not in ("hf", "vllm"):
+            raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
         check_writable(out)  # before any sampling: an unwritable --out must not cost the run
         examples, template, reward_fn = task_or_file(data, n, seed=seed, prompt_template=prompt_template, reward=reward)
         lm, tok = load_model_and_tokenizer(model)
         corpus_ids = corpus_token_ids(corpus, tok) if corpus else None
-        metrics, generations = evaluate_model(lm, tok, make_backend("hf", lm, tok), examples, template, reward_fn,
+        sampler = make_backend(backend, lm, tok, seed=seed)
+        metrics, generations = evaluate_model(lm, tok, sampler, examples, template, reward_fn,
                                               k=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                               corpus_ids=corpus_ids, reward_timeout_s=reward_timeout, source=data)
+        sampler.close()
     except _user_errors() as exc:
         _fail(str(exc))
     write_report(out, metrics, generations)

@@ -94,10 +94,11 @@ def test_the_first_occurrence_of_any_stop_string_ends_the_row(tok, fast_path):
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_a_stop_string_completed_before_min_tokens_is_ignored(tok, fast_path):
     chain = SPELLINGS["characters"]  # "4=</answer>xyz"
-    # "/a" ends at the 5th token: ignored under min_tokens=6, and never found again afterwards
-    r = run(tok, chain, fast_path, max_tokens=12, min_tokens=6, stop=["/a"])[0]
-    assert (r.response, r.finish_reason) == ("4=</answer>x", "length")
+    # "/a" ends at the 5th token: ignored under min_tokens=5 (vLLM's rule: a stop must end after the
+    # first min_tokens tokens), and never found again afterwards; found under min_tokens=4
     r = run(tok, chain, fast_path, max_tokens=12, min_tokens=5, stop=["/a"])[0]
+    assert (r.response, r.finish_reason) == ("4=</answer>x", "length")
+    r = run(tok, chain, fast_path, max_tokens=12, min_tokens=4, stop=["/a"])[0]
     assert (r.response, r.finish_reason) == ("4=</a", "stop")
 
 

@@ -165,9 +165,24 @@ class SampledRunConfig(RunConfig):
     reward_timeout_s: float = Field(10.0, ge=0)
     reward_workers: int = Field(0, ge=0)
     rollout_max_batch_size: int = Field(256, ge=1)  # rows sampled at once, whatever group_size is
+    # --- the generation backend: hf (the training model itself) or vllm (a colocated vLLM engine in
+    # this process, TRL's colocate mode: its own copy of the weights, synced in place after each update)
+    rollout_backend: Literal["hf", "vllm"] = "hf"
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # GPU share for vLLM's weights + KV cache
+    vllm_max_model_len: int | None = Field(None, ge=1)  # default: the model's max_position_embeddings
+    vllm_tensor_parallel_size: int = Field(1, ge=1)
+    vllm_enable_sleep_mode: bool = False  # GPU: free vLLM's KV cache (and offload its weights) during the update
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: as the training dtype
+    vllm_cpu_kvcache_space_gib: int = Field(1, ge=1)  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+    vllm_enforce_eager: bool | None = None  # None: eager on the CPU (no compile wait), CUDA graphs on a GPU
+
+    samples_with_vllm: ClassVar[bool] = False  # the trainer syncs a vLLM engine after its updates (GRPO)
 
     @model_validator(mode="after")
     def _check_sampling(self):
+        if self.rollout_backend == "vllm" and not self.samples_with_vllm:
+            raise ValueError(f"rollout_backend 'vllm' is supported by grpo and grpolab eval; {self.command} samples "
+                             "with the training model: use rollout_backend 'hf'")
         if self.sampling_min_tokens > self.sampling_max_tokens:
             raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens "
                              f"({self.sampling_max_tokens})")
@@ -182,6 +197,17 @@ class SampledRunConfig(RunConfig):
         """The temperature of the policy being optimised: log-probs are of softmax(logits / T), the
         distribution the sampler draws from (TRL/veRL). Greedy sampling (T = 0) scores at T = 1."""
         return self.sampling_temperature or 1.0
+
+    def backend_options(self) -> dict:
+        """Keywords for ``rollout.make_backend`` beyond the model: the vLLM knobs for ``vllm``."""
+        if self.rollout_backend != "vllm":
+            return {}
+        return dict(gpu_memory_utilization=self.vllm_gpu_memory_utilization, max_model_len=self.vllm_max_model_len,
+                    tensor_parallel_size=self.vllm_tensor_parallel_size,
+                    enable_sleep_mode=self.vllm_enable_sleep_mode,
+                    dtype=self.dtype if self.vllm_dtype == "auto" else self.vllm_dtype,
+                    cpu_kvcache_space_gib=self.vllm_cpu_kvcache_space_gib, enforce_eager=self.vllm_enforce_eager,
+                    seed=self.seed)
 
     def sampling_params(self):
         """Rollout sampling (no seed of its own: the trainer's generator carries the state)."""

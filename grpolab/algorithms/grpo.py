@@ -55,6 +55,7 @@ from .sampling import sample_groups
 
 class GRPOConfig(PolicyUpdateConfig):
     command, steps_field, step_key = "grpo", "n_grpo_steps", "grpo_step"
+    samples_with_vllm = True
     # --- CS336 Algorithm 3 (defaults from the handout)
     # (rollout_batch_size 256, group_size 8, train_batch_size 256, gradient_accumulation_steps 128,
     # learning_rate 1e-5, cliprange 0.2 and warmup_steps 1000 come from PolicyUpdateConfig)
@@ -86,8 +87,9 @@ class GRPOConfig(PolicyUpdateConfig):
     overlong_buffer_len: int | None = Field(None, ge=1)  # DAPO soft overlong punishment over the last N tokens
     overlong_penalty_factor: float = Field(1.0, ge=0)
     # sampler/trainer correction: TIS caps the ratio pi_trainer/pi_sampler at the cap, MIS drops tokens
-    # (or sequences) whose ratio leaves [1/cap, cap]; off for the hf backend, whose sampler is the trainer
-    importance_sampling_correction: Literal["none", "tis", "mis"] = "none"
+    # (or sequences) whose ratio leaves [1/cap, cap]. Default (None): tis for the vllm backend (its
+    # kernels give slightly different log-probs), none for hf (the sampler is the trainer's own forward)
+    importance_sampling_correction: Literal["none", "tis", "mis"] | None = None
     importance_sampling_level: Literal["token", "sequence"] = "token"
     importance_sampling_cap: float = Field(2.0, gt=1)
     max_rollout_samples: int | None = Field(None, ge=1)  # stop once this many responses were sampled (budgets)
@@ -95,7 +97,6 @@ class GRPOConfig(PolicyUpdateConfig):
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
     share_prompt_prefix: bool = True  # run each prompt once per micro-batch for its whole group (same gradient)
-    rollout_backend: str = "hf"
     # --- runs and health
     run_dir: str = "runs/grpo"
     health_window: int = Field(5, ge=1)
@@ -124,6 +125,13 @@ class GRPOConfig(PolicyUpdateConfig):
                 "loss_type 'grpo_clip' on-policy (one epoch, train_batch_size == rollout_batch_size): the ratio is "
                 "always 1, so clipping never acts; it equals reinforce_with_baseline", UserWarning, stacklevel=2)
         return self
+
+    @property
+    def is_correction(self) -> str:
+        """The sampler/trainer importance-sampling correction in force (see the field's comment)."""
+        if self.importance_sampling_correction is not None:
+            return self.importance_sampling_correction
+        return "tis" if self.rollout_backend == "vllm" else "none"
 
     def loss_options(self) -> dict:
         """The selected loss's extra keywords (core's registered losses ignore the others)."""
@@ -158,7 +166,7 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     """Old-policy log-probs (off-policy, or for the sampler/trainer IS correction) and the reference
     policy's, once per rollout batch; with the correction, the IS weights and their figures."""
     rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
-    correct = cfg.importance_sampling_correction != "none"
+    correct = cfg.is_correction != "none"
     if cfg.off_policy or correct:
         batch.old_log_probs = batched_log_probs(run.model, batch, rows_per_pass, run.device, run.autocast,
                                                 cfg.policy_temperature)
@@ -168,7 +176,7 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     if not correct:
         return {}
     batch.is_weights, stats = importance_sampling_weights(
-        batch.old_log_probs, batch.sampler_log_probs, batch.response_mask, mode=cfg.importance_sampling_correction,
+        batch.old_log_probs, batch.sampler_log_probs, batch.response_mask, mode=cfg.is_correction,
         level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap)
     if not cfg.off_policy:
         batch.old_log_probs = None  # on-policy: the ratio is computed against the current forward
@@ -182,6 +190,7 @@ class Update:
 
     records: list[dict]
     stopped_early: bool
+    applied_steps: int  # optimizer steps that changed the weights (not stopped, not skipped as non-finite)
     trainer_lp: torch.Tensor
     trained: torch.Tensor
     mean_kl: float | None
@@ -200,7 +209,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     regularised = (has_reference and kl_ctl.value > 0) or cfg.entropy_coef > 0
     contributes = has_tokens & ((signal != 0) | regularised | (not cfg.skip_zero_advantage))
     shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-    records, kl_values, stopped = [], [], False
+    records, kl_values, stopped, applied = [], [], False, 0
     for epoch in range(cfg.epochs_per_rollout_batch):
         for rows in optimizer_batches(n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]):
             record_lp = trainer_lp if epoch == 0 and not cfg.off_policy else None
@@ -215,6 +224,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
                 stopped = True
                 break
             result = run.optimizer_step(optimizer, scheduler, sums["loss"])
+            applied += not result.skipped
             record = run.update_record({
                 "train_step": run.train_step, "grpo_step": step, "epoch": epoch,
                 "train/loss": sums["loss"], "train/token_entropy": sums["entropy"] / tok,
@@ -229,7 +239,17 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
             run.train_step += 1
         if stopped:
             break
-    return Update(records, stopped, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None)
+    return Update(records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None)
+
+
+def sync_policy(backend, model, update: Update) -> float:
+    """Seconds spent giving the backend the updated weights (0 when no optimizer step was applied:
+    the KL early stop fired first, or every step was skipped as non-finite)."""
+    if not update.applied_steps:
+        return 0.0
+    t0 = time.perf_counter()
+    backend.sync_weights(model)
+    return time.perf_counter() - t0
 
 
 def rollout_metrics(rollouts, scores, batch: RolloutBatch, update: Update, group_size: int) -> dict[str, float]:
@@ -289,7 +309,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         samples = run.track("samples_drawn", ListState([0]))
         backend = make_backend(cfg.rollout_backend, model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
-                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator)
+                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
+                               **cfg.backend_options())
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
@@ -311,11 +332,14 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             update = policy_update(run, batch, cfg, optimizer, scheduler, kl_ctl, ref_model is not None, step)
             if update.mean_kl is not None:
                 kl_ctl.update(update.mean_kl, cfg.rollout_batch_size)
-            # 5. metrics and health
+            # 5. a backend with its own copy of the weights (vLLM) gets the new ones, in place
+            sync_s = sync_policy(backend, model, update)
+            # 6. metrics and health
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
             m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
                       "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": rollout_s,
-                      "time/train_s": time.perf_counter() - t1, "time/tokens_per_s": sum(
+                      "time/train_s": time.perf_counter() - t1 - sync_s, "time/weight_sync_s": sync_s,
+                      "time/tokens_per_s": sum(
                           len(r.response_ids) for r in groups.rollouts) / max(time.perf_counter() - t0, 1e-9)})
             samples.items[0] += groups.samples_drawn
             m["train/samples_drawn"] = samples.items[0]
@@ -328,4 +352,5 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
 
         after = validate(run.total_steps)
         scorer.close()
+        backend.close()
         return run.finish(after, before=before, plot=lambda metrics, out: plot_grpo_run(metrics, out, f"GRPO: {run.path.name}"))

@@ -27,7 +27,8 @@ class SamplingParams:
     output (``</answer>`` ends the answer and stays in it). A response also ends on any of the
     model's end ids (the tokenizer's eos and ``generation_config.eos_token_id``).
     ``min_tokens`` forbids the end ids and single-token stop strings before that many tokens (no
-    empty responses); a stop string completed before then is ignored.
+    empty responses); a stop string ends a response only when it ends after the first
+    ``min_tokens`` tokens (vLLM's rule: the end, however spelled, comes after ``min_tokens``).
     """
 
     temperature: float = 1.0
@@ -72,9 +73,46 @@ class Rollout:
     logprobs: list[float]
     finish_reason: str
     prompt_index: int = 0
+    # multi-turn rollouts (``grpolab.envs``): per response token, True where the model sampled it
+    # and False for observation tokens the environment inserted (those leave every loss); None
+    # means every token was sampled. ``info`` holds per-rollout figures (tool calls, turns, ...).
+    loss_mask: list[bool] | None = None
+    info: dict = field(default_factory=dict)
 
 
 class RolloutBackend(Protocol):
-    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[Rollout]: ...
+    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
+                 prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:
+        """``n`` rollouts per prompt, prompt-major. ``prompt_ids``, when given, are the prompts'
+        exact token ids (a multi-turn context: earlier sampled ids and observation tokens), used
+        as they are instead of tokenising ``prompts`` (which then only label the rollouts)."""
+        ...
 
-    def sync_weights(self, model) -> None: ...
+    def sync_weights(self, model) -> None:
+        """Give the backend ``model``'s current weights (after an update)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the backend holds (a vLLM engine); the HF backend holds nothing."""
+        ...
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[str], prompt_ids: Sequence[list[int]] | None) -> list[list[int]]:
+    """The prompts' token ids: ``prompt_ids`` as given (checked against the prompt count), else the
+    prompts tokenised without special tokens (templates carry their own)."""
+    if prompt_ids is None:
+        return tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    if len(prompt_ids) != len(prompts):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} entries for {len(prompts)} prompts")
+    return [list(ids) for ids in prompt_ids]
+
+
+def model_end_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the tokenizer's eos and ``generation_config.eos_token_id``
+    (an int or a list: chat models list several, e.g. ``<|im_end|>`` and ``<|endoftext|>``)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return ids

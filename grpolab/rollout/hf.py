@@ -27,7 +27,7 @@ import torch
 
 from ..core import pad_token_id
 from . import fast_decoder
-from .base import Rollout, SamplingParams
+from .base import Rollout, SamplingParams, model_end_ids, prompt_token_ids
 from .stops import StopStringDetector, token_texts
 
 
@@ -137,16 +137,14 @@ class HFRolloutBackend:
     def sync_weights(self, model) -> None:
         self.model = model
 
+    def close(self) -> None:
+        """Nothing to free: the backend holds no weights of its own."""
+
     # ---------------------------------------------------------------- helpers
     def end_ids(self) -> list[int]:
         """The ids that end a response: the tokenizer's eos and ``generation_config.eos_token_id``
         (an int or a list: chat models list several, e.g. ``<|im_end|>`` and ``<|endoftext|>``)."""
-        ids = [] if self.eos_id is None else [self.eos_id]
-        extra = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for i in [extra] if isinstance(extra, int) else list(extra or []):
-            if i not in ids:
-                ids.append(int(i))
-        return ids
+        return model_end_ids(self.model, self.tokenizer)
 
     def _detector(self, stops: Sequence[str]) -> StopStringDetector | None:
         key = tuple(stops)
@@ -182,10 +180,11 @@ class HFRolloutBackend:
         return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
+                 prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        prompt_ids = prompt_token_ids(self.tokenizer, prompts, prompt_ids)
         generator = self.generator
         if sampling.seed is not None:
             generator = torch.Generator().manual_seed(sampling.seed)
@@ -258,8 +257,9 @@ class HFRolloutBackend:
             tokens[active, t] = next_cpu
             logprobs[active, t] = tok_lp.float().cpu()
             out_len[active] = t + 1
-            if t + 1 < sampling.min_tokens:
-                logits = engine.step(next_tok)
+            if t < sampling.min_tokens:  # no end before min_tokens tokens (vLLM: stop strings must end after them)
+                if t + 1 < max_tokens:
+                    logits = engine.step(next_tok)
                 continue
             done = self._finished(next_cpu, t, active, tokens, reason, end_t, detector, logits.shape[-1])
             if t + 1 == max_tokens or bool(done.all()):
