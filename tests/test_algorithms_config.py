@@ -202,3 +202,17 @@ def test_only_length_and_watching_fields_may_change_on_resume():
     for key in ("n_grpo_steps", "n_ppo_steps", "n_sft_steps", "n_dpo_steps", "n_ei_steps", "eval_every",
                 "checkpoint_every", "keep_last", "run_dir", "device"):
         assert key in RESUME_MAY_CHANGE
+
+
+def test_rollout_backend_vllm_is_grpo_only_and_turns_the_is_correction_on():
+    from grpolab.algorithms.grpo import GRPOConfig
+    from grpolab.algorithms.ppo import PPOConfig
+
+    assert GRPOConfig(rollout_backend="vllm").is_correction == "tis"
+    assert GRPOConfig().is_correction == "none"
+    assert GRPOConfig(rollout_backend="vllm", importance_sampling_correction="none").is_correction == "none"
+    options = GRPOConfig(rollout_backend="vllm", dtype="bfloat16", vllm_cpu_kvcache_space_gib=2).backend_options()
+    assert options["dtype"] == "bfloat16" and options["cpu_kvcache_space_gib"] == 2
+    assert GRPOConfig().backend_options() == {}
+    with pytest.raises(ConfigError, match="rollout_backend 'vllm' is supported by grpo and grpolab eval; ppo"):
+        PPOConfig.build(overrides={"rollout_backend": "vllm"})

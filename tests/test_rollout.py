@@ -250,3 +250,19 @@ def test_fast_decoder_matches_the_hugging_face_forward(arch):
             ref = model(torch.tensor([real + [[9, 10][row]]])).logits[0]
             assert torch.allclose(first[row], ref[-2], atol=1e-4)
             assert torch.allclose(nxt[row], ref[-1], atol=1e-4)
+
+
+def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):
+    try:  # the light venv has no vLLM (tests/vllm run in .venv-vllm)
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here: tests/vllm exercise the backend itself")
+    except ImportError:
+        pass
+    from grpolab.rollout import make_backend
+
+    model, tok = lm
+    with pytest.raises(ValueError, match=r"rollout_backend 'vllm': vLLM is not installed .*grpolab\[vllm") as info:
+        make_backend("vllm", model, tok)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; expected 'hf' or 'vllm'"):
+        make_backend("sglang", model, tok)
