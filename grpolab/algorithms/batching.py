@@ -67,7 +67,13 @@ def optimizer_batches(n_rows: int, batch_size: int, shuffle: bool, generator: to
     ``shuffle``: a fresh permutation per call (off-policy epochs see different batches each
     epoch, as veRL and OpenRLHF do). Within a batch, rows are then ordered by ``keep_together``
     (e.g. each row's prompt index) so rows sharing a prompt stay adjacent for prompt sharing;
-    the order inside a batch does not change its gradient."""
+    the order inside a batch does not change its gradient.
+
+    ``batch_size`` is the global optimizer batch: in a distributed run each rank holds its share of
+    the rollout batch, so its optimizer batches have ``batch_size / world_size`` rows."""
+    from . import distributed
+
+    batch_size = max(1, batch_size // distributed.current().world_size)
     order = torch.randperm(n_rows, generator=generator).tolist() if shuffle else list(range(n_rows))
     batches = [order[i : i + batch_size] for i in range(0, n_rows, batch_size)]
     if shuffle and keep_together is not None:

@@ -4,7 +4,8 @@ Every directory a run writes (``checkpoints/step_N``, ``final/``) is first writt
 temporary directory, fsynced, then renamed into place, so a crash or SIGKILL never leaves a
 half-written one under its real name. At the next start, leftovers of an interrupted write are
 removed, and a checkpoint that cannot be read is skipped (loudly) in favour of the newest one
-that can.
+that can. The run directory itself is checked here before a run touches it (``check_run_dir``:
+no run is silently replaced) and cleared on ``--overwrite`` (``clear_run_dir``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..models import save_model_and_tokenizer
+from .config import ConfigError
 
 STATE_FILE = "trainer_state.pt"
 
@@ -53,15 +55,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def atomic_directory(target: Path, write) -> Path:
+def atomic_directory(target: Path, write, every_rank=None) -> Path:
     """Call ``write(tmp_dir)``, fsync it, then move it to ``target`` (replacing an old one).
 
     The old ``target`` is first renamed aside (``.old_<name>``) and removed after the new one is in
-    place, so at every instant one complete directory exists under a known name."""
+    place, so at every instant one complete directory exists under a known name. In a distributed
+    run every rank calls it: ``every_rank(tmp_dir)`` writes each rank's shard into the same
+    temporary directory, then rank 0 alone runs ``write``, fsyncs and renames."""
+    from . import distributed
+
     target = Path(target)
+    if every_rank is not None and distributed.current().enabled:
+        return _atomic_directory_all_ranks(target, write, every_rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{target.name}_", dir=target.parent))
     try:
+        if every_rank is not None:
+            every_rank(tmp)
         write(tmp)
         fsync_tree(tmp)
         old = target.with_name(f".old_{target.name}")
@@ -75,6 +85,36 @@ def atomic_directory(target: Path, write) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _atomic_directory_all_ranks(target: Path, write, every_rank) -> Path:
+    """The distributed form of ``atomic_directory``: one temporary directory named by rank 0."""
+    from . import distributed
+
+    main = distributed.current().is_main
+    tmp = None
+    if main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp_{target.name}_", dir=target.parent)
+    tmp = Path(distributed.broadcast_object(tmp))
+    every_rank(tmp)
+    distributed.barrier()  # every shard is written before rank 0 seals the directory
+    if main:
+        def seal(final_tmp: Path) -> None:
+            _move_contents(tmp, final_tmp)
+            write(final_tmp)
+
+        try:
+            atomic_directory(target, seal)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    distributed.barrier()
+    return target
+
+
+def _move_contents(src: Path, dst: Path) -> None:
+    for p in src.iterdir():
+        os.rename(p, dst / p.name)
 
 
 def remove_leftovers(directory: Path) -> list[Path]:
@@ -113,12 +153,22 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, model, tokenizer, state: dict) -> Path:
+    def save(self, step: int, model, tokenizer, state: dict, state_dict: dict | None = None, every_rank=None) -> Path:
+        """Write ``checkpoints/step_N``; ``state_dict`` (the full weights, when ``model``'s own are
+        sharded or adapted) replaces the module's; ``every_rank(tmp)`` adds per-rank shards."""
+        from . import distributed
+
         def write(tmp: Path) -> None:
-            save_model_and_tokenizer(model, tokenizer, tmp)
+            if state_dict is None:
+                save_model_and_tokenizer(model, tokenizer, tmp)
+            else:
+                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
             torch.save(state, tmp / STATE_FILE)
 
-        final = atomic_directory(self.root / f"step_{step}", write)
+        final = atomic_directory(self.root / f"step_{step}", write, every_rank)
+        if not distributed.current().is_main:
+            return final
         # keep the newest keep_last up to this one; never the one just written, never a newer one
         older = [p for p in self.all() if int(p.name[5:]) <= step]
         for old in older[: -self.keep_last] if self.keep_last > 0 else []:
@@ -170,3 +220,42 @@ def check_model_files(path: Path) -> None:
         raise FileNotFoundError(f"no model weights (*.safetensors) in {path}")
     for f in files:
         load_file(str(f))
+
+
+# ---------------------------------------------------------------- the run directory
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "final")
+
+
+def holds_a_run(path: Path) -> bool:
+    """A directory holds a run when it has metrics, checkpoints or a final model."""
+    metrics = path / "metrics.jsonl"
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or any((path / "checkpoints").glob("step_*"))
+            or (path / "final").exists())
+
+
+def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything is touched, a run directory we must not (or cannot) write."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir {path}: exists and is not a directory")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"run_dir {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir {path}: {probe} is not writable")
+    if not resume and not overwrite and path.is_dir() and holds_a_run(path):
+        raise ConfigError(f"run_dir {path} already holds a run: continue it with --resume {path}, or replace it "
+                          "with --overwrite")
+
+
+def clear_run_dir(path: Path) -> None:
+    """``overwrite``: remove a previous run's files (only the ones a run writes)."""
+    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml"):
+        p = path / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+

@@ -127,6 +127,16 @@ class RunConfig(BaseConfig):
     checkpoint_every: int = Field(0, ge=0)  # outer steps between checkpoints (0: only the final model)
     keep_last: int = Field(2, ge=1)
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    # --- scale (README "Scaling up"): under torchrun, each process one rank of a data-parallel run
+    distributed: Literal["none", "ddp", "fsdp2", "deepspeed"] = "none"  # none: one process, no process group
+    deepspeed_config: str | None = None  # a ZeRO-2/3 JSON (configs/deepspeed_zero3.json); default ZeRO-3
+    fsdp_cpu_offload: bool = False  # FSDP2: parameters, gradients and optimizer state on the CPU
+    gradient_checkpointing: bool = False  # recompute activations in the backward (less memory, ~30 % slower)
+    lora_r: int = Field(0, ge=0)  # LoRA rank via peft (0 = off: full fine-tuning)
+    lora_alpha: float = Field(16.0, gt=0)  # the adapter's scale is lora_alpha / lora_r
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] | str = "all-linear"  # peft names, or every linear layer but the head
+    lora_save_merged: bool = False  # final/ holds the merged model (adapter in final/adapter/) instead of the adapter
 
     command: ClassVar[str] = "train"  # the CLI command that runs this config (for messages)
     steps_field: ClassVar[str] = "n_steps"  # the field holding the run's length in outer steps
@@ -140,12 +150,31 @@ class RunConfig(BaseConfig):
     def _check_data(self):
         if (self.task is None) == (self.train_data is None):
             raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
+        self._check_scale()
         accumulation = getattr(self, "gradient_accumulation_steps", None)
         if accumulation and self.train_batch_size % accumulation:
             raise ValueError(
                 f"train_batch_size ({self.train_batch_size}) must be divisible by gradient_accumulation_steps "
                 f"({accumulation})")
         return self
+
+
+    def _check_scale(self) -> None:
+        """Combinations of the scale fields that cannot work, refused before anything runs."""
+        if self.deepspeed_config is not None and self.distributed != "deepspeed":
+            raise ValueError(f"deepspeed_config is set but distributed is {self.distributed!r}; set distributed: deepspeed")
+        if self.fsdp_cpu_offload and self.distributed != "fsdp2":
+            raise ValueError(f"fsdp_cpu_offload needs distributed: fsdp2 (got {self.distributed!r})")
+        if self.lora_r and self.distributed == "deepspeed":
+            raise ValueError("lora_r with distributed: deepspeed is not supported; use ddp or fsdp2 (LoRA needs no ZeRO)")
+        if self.lora_dropout and self.disable_dropout:
+            raise ValueError(f"lora_dropout ({self.lora_dropout}) has no effect while disable_dropout is true (dropout is "
+                             "off in every forward); set disable_dropout: false to use it")
+        if getattr(self, "rollout_backend", "hf") != "hf" and (self.distributed != "none" or self.lora_r):
+            raise ValueError(f"rollout_backend {self.rollout_backend!r} runs with distributed: none and without LoRA "
+                             "for now; use rollout_backend: hf")
+        if self.lora_save_merged and not self.lora_r:
+            raise ValueError("lora_save_merged needs lora_r > 0")
 
 
 class SampledRunConfig(RunConfig):

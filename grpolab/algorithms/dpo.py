@@ -17,6 +17,7 @@ from pydantic import Field
 
 from ..core import compute_dpo_loss, sum_response_log_probs
 from ..data import PreferencePair
+from . import distributed
 from .batching import ExampleSampler
 from .config import RunConfig
 from .inputs import load_preference_inputs
@@ -87,9 +88,12 @@ def preference_accuracy(lm, lm_ref, tokenizer, pairs, beta, alpaca, device, batc
 
 def dpo_gradient(model, ref, tokenizer, pairs: list[PreferencePair], cfg: DPOConfig, device) -> tuple[float, int]:
     """Forward/backward one optimizer batch of preference pairs in micro-batches; returns the mean
-    DPO loss and the number of pairs whose implicit reward margin is positive."""
-    micro = cfg.train_batch_size // cfg.gradient_accumulation_steps
+    DPO loss and the number of pairs whose implicit reward margin is positive. In a distributed run
+    ``pairs`` is this rank's equal share (the engine averages the per-rank means); the figures are
+    over all ranks."""
+    micro = len(pairs) // cfg.gradient_accumulation_steps
     total, acc = 0.0, 0
+    padding = distributed.padding_micro_batches(cfg.gradient_accumulation_steps)
     for m in range(cfg.gradient_accumulation_steps):
         chunk = pairs[m * micro : (m + 1) * micro]
         c, r = _batch_logps(model, tokenizer, chunk, cfg.use_alpaca_template, device)
@@ -99,7 +103,9 @@ def dpo_gradient(model, ref, tokenizer, pairs: list[PreferencePair], cfg: DPOCon
         (losses.mean() / cfg.gradient_accumulation_steps).backward()
         total += float(losses.detach().mean()) / cfg.gradient_accumulation_steps
         acc += int(((c - rc) - (r - rr) > 0).sum())
-    return total, acc
+    for _ in range(padding):
+        distributed.dummy_backward(model)
+    return distributed.all_reduce(total) / distributed.current().world_size, distributed.all_reduce(acc)
 
 
 def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, resume: bool = False,
@@ -118,15 +124,16 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
         def held_out(step: int) -> dict[str, float]:
             model.eval()
             try:
-                return run.validate(step, lambda: preference_accuracy(model, ref, tokenizer, held, cfg.beta,
+                return run.validate(step, lambda: preference_accuracy(run.sampling_model, ref, tokenizer, held, cfg.beta,
                                                                       cfg.use_alpaca_template, run.device))
             finally:
                 model.train()
 
         before = held_out(0) if not run.resuming else None
         for step in run.steps():
-            total, acc = dpo_gradient(model, ref, tokenizer, [train[i] for i in sampler.next(cfg.train_batch_size)],
-                                      cfg, run.device)
+            total, acc = dpo_gradient(run.model, ref, tokenizer,
+                                      distributed.shard([train[i] for i in sampler.next(cfg.train_batch_size)]), cfg,
+                                      run.device)
             result = run.optimizer_step(optimizer, scheduler, total)
             run.log_update({"train_step": step, "train/dpo_loss": total,
                             "train/preference_accuracy": acc / cfg.train_batch_size}, result, optimizer)

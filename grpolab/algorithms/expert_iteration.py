@@ -15,6 +15,7 @@ from ..core import pad_token_id
 from ..eval import token_entropies
 from ..rewards import RewardScorer
 from ..rollout import make_backend
+from . import distributed
 from .batching import ExampleSampler
 from .config import SampledRunConfig
 from .inputs import load_inputs
@@ -39,13 +40,15 @@ class EIConfig(SampledRunConfig):
 
 def sft_on_kept(run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cfg: EIConfig, step: int, pad_id: int) -> list[float]:
     """``sft_epochs`` of SFT on the kept responses — their exact sampled ids, end token included,
-    so the model also learns where to stop. Returns each batch's token NLL."""
+    so the model also learns where to stop. Returns each batch's token NLL. ``kept`` is the same on
+    every rank (gathered); each rank trains on its share of every batch."""
     order = ExampleSampler(len(kept), cfg.seed + step)
     n_batches = max(1, cfg.sft_epochs * len(kept) // cfg.train_batch_size)
-    size = min(cfg.train_batch_size, len(kept)) // cfg.gradient_accumulation_steps * cfg.gradient_accumulation_steps
+    unit = cfg.gradient_accumulation_steps * distributed.current().world_size  # equal micro-batches on every rank
+    size = min(cfg.train_batch_size, len(kept)) // unit * unit
     losses = []
     for _ in range(n_batches):
-        loss, nll, tok = accumulate_sft_gradient(run.model, [kept[i] for i in order.next(size)],
+        loss, nll, tok = accumulate_sft_gradient(run.model, distributed.shard([kept[i] for i in order.next(size)]),
                                                  cfg.gradient_accumulation_steps, cfg.normalize_constant, pad_id,
                                                  run.device, run.autocast)
         result = run.optimizer_step(optimizer, None, loss)
@@ -66,23 +69,25 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend("hf", model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
+        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
         sampling, pad_id = cfg.sampling_params(), pad_token_id(tokenizer)
         sizes = run.track("filtered_sizes", ListState()).items
         for step in run.steps():
-            batch = [inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))]
+            # every rank draws the same questions and samples its share; the kept responses are gathered
+            batch = distributed.shard([inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))])
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch], cfg.group_size, sampling)
             scores = scorer.score([r.response for r in rollouts], [batch[r.prompt_index].answer for r in rollouts])
             kept = [(r.prompt_ids, r.response_ids) for r, s in zip(rollouts, scores) if s["reward"] >= 1.0]
-            entropy = token_entropies(model, rollouts[: min(len(rollouts), 256)], tokenizer,
+            kept = [pair for part in distributed.all_gather_objects(kept) for pair in part]
+            entropy = token_entropies(run.sampling_model, rollouts[: min(len(rollouts), 256)], tokenizer,
                                       temperature=cfg.sampling_temperature)
             sizes.append(len(kept))
-            record = {"ei_step": step, "ei/filtered_size": len(kept), "ei/sampled": len(rollouts),
+            record = {"ei_step": step, "ei/filtered_size": len(kept), "ei/sampled": distributed.all_reduce(len(rollouts)),
                       "ei/reward": sum(s["reward"] for s in scores) / len(scores),
                       "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
                       "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
-            if len(kept) >= cfg.gradient_accumulation_steps:
+            if len(kept) >= cfg.gradient_accumulation_steps * distributed.current().world_size:
                 losses = sft_on_kept(run, optimizer, kept, cfg, step, pad_id)
                 record["ei/sft_token_nll"] = sum(losses) / len(losses)
             run.log(record)

@@ -3,7 +3,8 @@ engineering under GRPO's update, kept apart from the algorithm: rows that cannot
 skipped, rows may be packed by a token budget, and each distinct prompt may be run once for its
 whole group (``models.shared_prefix``). None of it changes the gradient (tested to 1e-6 against
 the plain fixed-micro-batch gradient), because every loss is scaled by the whole optimizer batch's
-sequence or token count."""
+sequence or token count. Across ranks those counts are global (``distributed.grad_normaliser``), so
+N processes take the single-process gradient of the same rows (tested to 1e-6 with 2 processes)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..models.shared_prefix import (
     shared_prefix_rows,
     supports_shared_prefix,
 )
+from . import distributed
 from .batching import RolloutBatch, plan_microbatches, take_rows
 
 
@@ -51,19 +53,22 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
 
     Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
     losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
-    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed."""
+    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed. In a
+    distributed run ``rows`` are this rank's share, the counts are global, the returned figures are
+    summed over ranks, and sharded engines run the same number of micro-batches on every rank."""
     tensors = batch.tensors()
     mask_all = batch.response_mask[rows]
-    global_tokens = mask_all.sum().clamp(min=1)
+    global_tokens = distributed.grad_normaliser(mask_all.sum(), minimum=1)
+    global_rows = distributed.grad_normaliser(len(rows))
     lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
     plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
     sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
-    shared = cfg.share_prompt_prefix and supports_shared_prefix(model)
+    # sharded engines need one forward per micro-batch on every rank: no two-pass prompt sharing there
+    shared = cfg.share_prompt_prefix and supports_shared_prefix(model) and not distributed.current().sharded
     normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
-    for plan in plans:
-        live = [rows[i] for i in plan if contributes[rows[i]]]
-        if not live:
-            continue
+    live_plans = [live for live in ([rows[i] for i in plan if contributes[rows[i]]] for plan in plans) if live]
+    padding = distributed.padding_micro_batches(len(live_plans))
+    for live in live_plans:
         mb, log_probs, entropy, label_lp = microbatch_log_probs(model, tensors, batch, live, shared, device, autocast,
                                                                 cfg.policy_temperature)
         if trainer_lp is not None:
@@ -75,7 +80,7 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
             raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
             cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
             length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
-            global_num_tokens=global_tokens, global_batch_size=len(rows),
+            global_num_tokens=global_tokens, global_batch_size=global_rows,
             ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
             is_weights=mb.get("is_weights"), token_entropy=entropy if cfg.entropy_coef else None,
             entropy_coef=cfg.entropy_coef, loss_options=cfg.loss_options(),
@@ -91,4 +96,6 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
             sums["clip"] += meta["clip_fraction"] * n_tok
         if "kl" in meta:
             sums["kl"] += meta["kl"] * n_tok
-    return {k: float(v) for k, v in sums.items()}
+    for _ in range(padding):
+        distributed.dummy_backward(model)
+    return {k: float(distributed.all_reduce(torch.as_tensor(v, dtype=torch.float64))) for k, v in sums.items()}

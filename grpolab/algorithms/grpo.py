@@ -43,6 +43,7 @@ from .batching import (
     optimizer_batches,
 )
 from .config import PolicyUpdateConfig
+from .distributed import mean_metrics
 from .gradients import accumulate_policy_gradient
 from .health import HealthMonitor, rollout_health
 from .inputs import load_inputs
@@ -308,7 +309,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
                                                    stop_on_unhealthy=cfg.stop_on_unhealthy))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         samples = run.track("samples_drawn", ListState([0]))
-        backend = make_backend(cfg.rollout_backend, model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
+        backend = make_backend(cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
                                **cfg.backend_options())
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
@@ -333,7 +334,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             if update.mean_kl is not None:
                 kl_ctl.update(update.mean_kl, cfg.rollout_batch_size)
             # 5. a backend with its own copy of the weights (vLLM) gets the new ones, in place
-            sync_s = sync_policy(backend, model, update)
+            sync_s = sync_policy(backend, run.sampling_model, update)
             # 6. metrics and health
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
             m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
@@ -343,6 +344,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
                           len(r.response_ids) for r in groups.rollouts) / max(time.perf_counter() - t0, 1e-9)})
             samples.items[0] += groups.samples_drawn
             m["train/samples_drawn"] = samples.items[0]
+            m = mean_metrics(m)  # every rank sees (and the health check judges) the whole batch's figures
             log_step(run, health, update, m, scorer.last_error, step)
             if cfg.max_rollout_samples and samples.items[0] >= cfg.max_rollout_samples:
                 run.total_steps = step + 1  # the sample budget is spent: this is the last step

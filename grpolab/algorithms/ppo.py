@@ -182,7 +182,7 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
         kl_ctl = run.track("kl_controller", cfg.kl_controller())
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend("hf", model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
+        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
         sampling, pad = cfg.sampling_params(), pad_token_id(tokenizer)
         validate = validation(run, backend, inputs, cfg, scorer)

@@ -17,7 +17,6 @@ A trainer holds only its algorithm; the ``Run`` holds everything around it:
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import signal
 import sys
@@ -31,10 +30,13 @@ import torch
 
 from ..eval import evaluate, log_generations
 from ..models import load_model_and_tokenizer
-from .checkpoints import CheckpointManager, atomic_write_text, remove_leftovers, save_final
+from . import distributed
+from .checkpoints import (RUN_FILES, CheckpointManager, atomic_write_text, check_run_dir, clear_run_dir,  # noqa: F401
+                          holds_a_run, remove_leftovers)
 from .config import ConfigError, resume_changes
 from .metrics import MetricsLogger, progress
-from .optimization import StepResult, current_lr, optimizer_step
+from .optimization import StepResult, current_lr
+from .run_model import RunModel, check_distributed, frozen_copy  # noqa: F401 - re-exported for the trainers
 
 
 class RunInterrupted(Exception):
@@ -93,46 +95,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "final")
-
-
-def holds_a_run(path: Path) -> bool:
-    """A directory holds a run when it has metrics, checkpoints or a final model."""
-    metrics = path / "metrics.jsonl"
-    return ((metrics.is_file() and metrics.stat().st_size > 0) or any((path / "checkpoints").glob("step_*"))
-            or (path / "final").exists())
-
-
-def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, before anything is touched, a run directory we must not (or cannot) write."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"run_dir {path}: exists and is not a directory")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"run_dir {path}: {probe} is not a directory")
-    import os
-
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run_dir {path}: {probe} is not writable")
-    if not resume and not overwrite and path.is_dir() and holds_a_run(path):
-        raise ConfigError(f"run_dir {path} already holds a run: continue it with --resume {path}, or replace it "
-                          "with --overwrite")
-
-
-def clear_run_dir(path: Path) -> None:
-    """``overwrite``: remove a previous run's files (only the ones a run writes)."""
-    import shutil
-
-    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml"):
-        p = path / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-
-
 class Run:
     """See the module docstring. The config's ``step_key`` names the trainer's outer step in the
     metrics (``grpo_step``, ``ppo_step``, ...) and ``total_steps`` is its length; ``check_inputs(model,
@@ -143,48 +105,46 @@ class Run:
         self.wall = time.perf_counter()
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
+        self.dist = distributed.setup(cfg.distributed, resolve_device(cfg.device), deepspeed_config=cfg.deepspeed_config,
+                                      fsdp_cpu_offload=cfg.fsdp_cpu_offload)
+        self.is_main = self.dist.is_main
+        check_distributed(cfg, self.dist)
         check_run_dir(self.path, resume, overwrite)
         self.ckpts = CheckpointManager(self.path / "checkpoints", cfg.keep_last)
         self.resumed_from, self.state = None, None
         if resume:
-            remove_leftovers(self.ckpts.root)
-            found = self.ckpts.latest_loadable()
-            if found is None:
-                raise ConfigError(f"{self.path}: nothing to resume (no readable checkpoint in {self.ckpts.root})")
-            self.resumed_from, self.state = found
-            changes = resume_changes(self.state.get("config", {}), cfg.to_dict())
-            if changes.refused:
-                raise ConfigError(f"--resume {self.path}: the run's config cannot change on resume: {changes.refused} "
-                                  f"(only {', '.join(changes.allowed_keys)} may)")
-            done = int(self.state.get("counters", {}).get("step", 0))
-            if done > cfg.total_steps:
-                raise ConfigError(f"--resume {self.path}: the run has done {done} steps, more than "
-                                  f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
+            self._find_checkpoint(cfg)
         seed_everything(cfg.seed, cfg.deterministic)
-        self.device = resolve_device(cfg.device)
+        self.device = distributed.device_for(resolve_device(cfg.device))
+        gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
         if self.resumed_from is not None:
-            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code)
+            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
         elif model is None:
-            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
         if cfg.disable_dropout:
             disable_dropout(model)
-        self.model, self.tokenizer = model.to(self.device).train(), tokenizer
+        self.tokenizer = tokenizer
+        # the engine (DDP/FSDP2/DeepSpeed), LoRA, and the plain copy the sampler draws from
+        self.weights = RunModel(cfg, model.to(self.device), self.device, self.state)
         self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
-            check_inputs(self.model, self.tokenizer, self.device)
+            check_inputs(self.sampling_model, self.tokenizer, self.device)
+        distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
-        if overwrite and not resume:
-            clear_run_dir(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "samples").mkdir(exist_ok=True)
-        remove_leftovers(self.path)
-        remove_leftovers(self.ckpts.root)
-        atomic_write_text(self.path / "config.yaml", _yaml(cfg.to_dict()))
+        if self.is_main:
+            if overwrite and not resume:
+                clear_run_dir(self.path)
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "samples").mkdir(exist_ok=True)
+            remove_leftovers(self.path)
+            remove_leftovers(self.ckpts.root)
+            atomic_write_text(self.path / "config.yaml", _yaml(cfg.to_dict()))
         self.metrics_path = self.path / "metrics.jsonl"
-        if self.state is None:
+        if self.state is None and self.is_main:
             self.metrics_path.write_text("")
         self.logger = MetricsLogger(self.metrics_path, cfg.report_to, run_name=self.path.name, config=cfg.to_dict(),
-                                    truncate_at=self.state.get("metrics_offset") if self.state else None)
+                                    truncate_at=self.state.get("metrics_offset") if self.state else None) \
+            if self.is_main else _NoLogger()
         counters = (self.state or {}).get("counters", {})
         self.step = int(counters.get("step", 0))
         self.train_step = int(counters.get("train_step", 0))
@@ -196,9 +156,49 @@ class Run:
         self._old_sigint = None
         if threading.current_thread() is threading.main_thread():
             self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
-        self.bar = progress(self.total_steps, cfg.command.upper(), cfg.show_progress, initial=self.step)
+        self.bar = progress(self.total_steps, cfg.command.upper(), cfg.show_progress and self.is_main, initial=self.step)
         if self.state is not None:  # after the model is loaded: nothing below may draw from it before the loop
-            torch.set_rng_state(self.state["rng"]["torch"])
+            torch.set_rng_state(self._rank_rng()["torch"])
+
+    def _find_checkpoint(self, cfg) -> None:
+        """The newest readable checkpoint, chosen by rank 0 (which alone moves unreadable ones aside)."""
+        found = None
+        if self.is_main:
+            remove_leftovers(self.ckpts.root)
+            found = self.ckpts.latest_loadable()
+        path = distributed.broadcast_object(str(found[0]) if found else None)
+        if path is None:
+            raise ConfigError(f"{self.path}: nothing to resume (no readable checkpoint in {self.ckpts.root})")
+        self.resumed_from = Path(path)
+        self.state = found[1] if found else self.ckpts.load_state(self.resumed_from)
+        changes = resume_changes(self.state.get("config", {}), cfg.to_dict())
+        if changes.refused:
+            raise ConfigError(f"--resume {self.path}: the run's config cannot change on resume: {changes.refused} "
+                              f"(only {', '.join(changes.allowed_keys)} may)")
+        done = int(self.state.get("counters", {}).get("step", 0))
+        if done > cfg.total_steps:
+            raise ConfigError(f"--resume {self.path}: the run has done {done} steps, more than "
+                              f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
+
+    def _rank_rng(self) -> dict:
+        """This rank's saved RNG states (each rank samples its own prompts with its own streams)."""
+        per_rank = self.state.get("rng_ranks")
+        return per_rank[self.dist.rank] if per_rank and self.dist.rank < len(per_rank) else self.state["rng"]
+
+    @property
+    def model(self):
+        """The module trainers train (under DeepSpeed, the engine; under FSDP2, the sharded model)."""
+        return self.weights.model
+
+    @property
+    def sampling_model(self):
+        """The module to sample and evaluate from: the training model itself in one process or
+        under DDP; a plain copy with the full (and, with LoRA, merged) weights under FSDP2/ZeRO-3
+        or LoRA. Reading it after an optimizer step refreshes that copy (a collective under
+        sharding: every rank reads it at the same point, e.g. when syncing the rollout backend);
+        ``end_step`` refreshes it too, before validation."""
+        self.weights.refresh()
+        return self.weights.sampling_model
 
     # ------------------------------------------------------------ state
 
@@ -211,7 +211,9 @@ class Run:
         scheduler, sampler, KL controller, health monitor, a module) for checkpoints; restores
         it now when resuming. Returns ``obj``."""
         self._tracked[name] = obj
-        if self.state is not None and name in self.state:
+        if isinstance(obj, torch.optim.Optimizer) and self.dist.sharded:
+            self.weights.attach_optimizer(name, obj, self.resumed_from)
+        elif self.state is not None and name in self.state:
             obj.load_state_dict(self.state[name])
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
                 # building a scheduler resets the optimizer's lr to its step-0 value; put back the saved one
@@ -223,18 +225,24 @@ class Run:
         """Register a sampling generator; when resuming, its state (and torch's) is restored."""
         self._generators[name] = generator
         if self.state is not None:
-            generator.set_state(self.state["rng"][name])
+            generator.set_state(self._rank_rng()[name])
+        elif self.dist.rank > 0:  # every rank draws its own samples
+            generator.manual_seed(generator.initial_seed() + 1_000_003 * self.dist.rank)
         return generator
 
     def checkpoint(self, done: int) -> Path:
         """An atomic checkpoint after ``done`` outer steps, with every tracked state."""
-        state = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        state = {name: obj.state_dict() for name, obj in self._tracked.items() if name != self.weights.optimizer_name}
         state["counters"] = {"step": done, "train_step": self.train_step, "eval_step": self.eval_step,
                              "nonfinite_steps": self.nonfinite_steps}
         state["rng"] = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in self._generators.items()}}
         state["config"] = self.cfg.to_dict()
         state["metrics_offset"] = self.logger.offset()
-        return self.ckpts.save(done, self.model, self.tokenizer, state)
+        state["rng_ranks"] = distributed.all_gather_objects(state["rng"])
+        module, weights, extra = self.weights.for_checkpoint()
+        state.update(extra)
+        return self.ckpts.save(done, module, self.tokenizer, state, state_dict=weights,
+                               every_rank=self.weights.save_sharded)
 
     # ------------------------------------------------------------ the loop
 
@@ -243,11 +251,13 @@ class Run:
         return range(self.step, self.total_steps)
 
     def log(self, record: dict[str, Any]) -> None:
-        self.logger.log(record)
+        """Record figures (averaged over ranks; written by rank 0). Every rank calls it."""
+        self.logger.log(distributed.mean_metrics(record))
 
     def optimizer_step(self, optimizer, scheduler, loss: float | None = None, parameters_of=None) -> StepResult:
-        """The guarded optimizer step; a skipped (non-finite) step is counted and reported."""
-        result = optimizer_step(parameters_of or self.model, optimizer, scheduler, self.cfg.max_grad_norm, loss)
+        """The guarded optimizer step; a skipped (non-finite) step is counted and reported. Under an
+        engine, gradients are reduced over ranks first (DeepSpeed: by its own step)."""
+        result = self.weights.optimizer_step(parameters_of, optimizer, scheduler, loss)
         if result.skipped:
             self.nonfinite_steps += 1
             self.bar.write(f"grpolab health: optimizer step {self.train_step} skipped: the loss or gradient norm is not "
@@ -279,6 +289,7 @@ class Run:
         """After outer step ``done``: periodic validation, periodic checkpoint, and Ctrl-C."""
         self.step = done
         self.bar.update(1)
+        self.weights.refresh()
         if validate is not None and self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps:
             validate(done)
         saved = None
@@ -303,7 +314,8 @@ class Run:
     def finish(self, after: dict[str, float], *, before: dict[str, float] | None = None, extra_files=None,
                plot: Callable[[Path, Path], Any] | None = None, **result) -> TrainResult:
         """Save ``final/`` atomically, close the metrics, plot, and return the ``TrainResult``."""
-        final = save_final(self.model, self.tokenizer, self.path / "final", extra_files)
+        self.weights.refresh()
+        final = self.weights.save_final(self.tokenizer, self.path / "final", extra_files)
         self.close()
         if plot is not None:
             plot(self.metrics_path, self.path / "curves.png")
@@ -316,6 +328,7 @@ class Run:
         if self._old_sigint is not None:
             signal.signal(signal.SIGINT, self._old_sigint)
             self._old_sigint = None
+        distributed.teardown()
 
     def __enter__(self) -> Run:
         return self
@@ -330,11 +343,6 @@ def _yaml(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def frozen_copy(model):
-    """A frozen reference policy: a copy of the starting model, eval mode, no gradients."""
-    return copy.deepcopy(model).eval().requires_grad_(False)
-
-
 def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], dict[str, float]]:
     """``validate(step)``: accuracy on the validation examples (sampled as configured), logged with
     sample generations (CS336 ``log_generations``); {} when there is nothing to validate on."""
@@ -343,14 +351,28 @@ def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], d
     def measure(step: int) -> dict[str, float]:
         if not inputs.evals or inputs.reward is None:
             return {}
-        result = evaluate(backend, inputs.evals, inputs.template, inputs.reward, sampling, scorer=scorer)
+        evals = distributed.shard(inputs.evals)  # each rank evaluates its share; figures weighted by share
+        result = evaluate(backend, evals, inputs.template, inputs.reward, sampling, scorer=scorer)
         extra = {}
-        if cfg.log_generations_samples:
-            extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step, run.model,
-                                    run.tokenizer, cfg.log_generations_samples)
-        return {**result.metrics, **extra}
+        if cfg.log_generations_samples and run.is_main:
+            extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step,
+                                    run.weights.sampling_model, run.tokenizer, cfg.log_generations_samples)
+        return distributed.mean_metrics({**result.metrics, **extra}, weight=len(evals))
 
     return lambda step: run.validate(step, lambda: measure(step))
+
+
+class _NoLogger:
+    """Ranks other than 0 write no metrics."""
+
+    def log(self, record) -> None:
+        pass
+
+    def offset(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
 
 
 class ListState:

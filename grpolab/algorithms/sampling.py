@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import overlong_reward_penalty
+from . import distributed
 
 
 @dataclass
@@ -46,18 +47,24 @@ def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tu
 
 def sample_groups(backend, scorer, sampler, inputs, cfg, sampling) -> ScoredGroups:
     """One rollout batch: ``rollout_batch_size / group_size`` prompts x ``group_size`` responses,
-    scored; with ``cfg.dynamic_sampling``, only groups whose rewards vary (see the module doc)."""
+    scored; with ``cfg.dynamic_sampling``, only groups whose rewards vary (see the module doc).
+
+    In a distributed run every rank draws the same prompts (the sampler is seeded alike) and keeps
+    its contiguous share: each group stays on one rank and is scored there; ``samples_drawn`` and
+    the sampling figures are totals over ranks."""
     n_prompts = cfg.rollout_batch_size // cfg.group_size
     if not cfg.dynamic_sampling:
-        examples = [inputs.train[i] for i in sampler.next(n_prompts)]
+        examples = distributed.shard([inputs.train[i] for i in sampler.next(n_prompts)])
         rollouts, scores, rewards = _score_round(backend, scorer, examples, inputs.template, cfg, sampling)
-        return ScoredGroups(rollouts, scores, rewards, examples, len(rollouts))
+        return ScoredGroups(rollouts, scores, rewards, examples, distributed.all_reduce(len(rollouts)))
     kept, dropped = [], []  # (example, rollouts, scores, rewards) per group
     drawn = rounds = 0
     tokens = {"kept": 0, "dropped": 0}
-    while len(kept) < n_prompts and rounds < cfg.max_sampling_rounds:
+    need = len(distributed.shard(list(range(n_prompts))))  # this rank's groups
+    # ranks draw in step (the same sampler positions) until every rank has its groups
+    while distributed.all_reduce(int(len(kept) < need), "max") and rounds < cfg.max_sampling_rounds:
         rounds += 1
-        examples = [inputs.train[i] for i in sampler.next(n_prompts)]
+        examples = distributed.shard([inputs.train[i] for i in sampler.next(n_prompts)])
         rollouts, scores, rewards = _score_round(backend, scorer, examples, inputs.template, cfg, sampling)
         drawn += len(examples)
         for g, example in enumerate(examples):
@@ -68,15 +75,19 @@ def sample_groups(backend, scorer, sampler, inputs, cfg, sampling) -> ScoredGrou
             n_tok = sum(len(r.response_ids) for r in rollouts[sl])
             (kept if signal else dropped).append(group)
             tokens["kept" if signal else "dropped"] += n_tok
-    unused = max(0, len(kept) - n_prompts)
-    filled = max(0, n_prompts - len(kept))
-    groups = kept[:n_prompts] + dropped[:filled]
+    unused = max(0, len(kept) - need)
+    filled = max(0, need - len(kept))
+    groups = kept[:need] + dropped[:filled]
+    total = {k: distributed.all_reduce(v) for k, v in (("drawn", drawn), ("kept", min(len(kept), need)),
+                                                        ("dropped", len(dropped)), ("unused", unused), ("filled", filled),
+                                                        ("tok_kept", tokens["kept"]), ("tok_dropped", tokens["dropped"]))}
     stats = {
-        "sampling/rounds": rounds, "sampling/groups_drawn": drawn, "sampling/groups_kept": min(len(kept), n_prompts),
-        "sampling/groups_dropped": len(dropped), "sampling/groups_unused": unused, "sampling/groups_filled": filled,
-        "sampling/dropped_token_share": tokens["dropped"] / max(1, tokens["kept"] + tokens["dropped"]),
+        "sampling/rounds": rounds, "sampling/groups_drawn": total["drawn"], "sampling/groups_kept": total["kept"],
+        "sampling/groups_dropped": total["dropped"], "sampling/groups_unused": total["unused"],
+        "sampling/groups_filled": total["filled"],
+        "sampling/dropped_token_share": total["tok_dropped"] / max(1, total["tok_kept"] + total["tok_dropped"]),
     }
-    return _assemble(groups, drawn * cfg.group_size, stats)
+    return _assemble(groups, total["drawn"] * cfg.group_size, stats)
 
 
 def _assemble(groups: list, samples_drawn: int, stats: dict) -> ScoredGroups:

@@ -17,6 +17,7 @@ from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_mi
 from ..data import SFTPair
 from ..rewards import RewardScorer
 from ..rollout import make_backend
+from . import distributed
 from .batching import ExampleSampler, plan_microbatches
 from .config import SampledRunConfig
 from .inputs import load_sft_inputs
@@ -68,9 +69,15 @@ def tokenize_pairs(pairs: list[SFTPair], tokenizer) -> list[tuple[list[int], lis
 def accumulate_sft_gradient(model, sequences: list[tuple[list[int], list[int]]], gradient_accumulation_steps: int,
                             normalize_constant: float, pad_id: int, device, autocast) -> tuple[float, float, float]:
     """Forward/backward one optimizer batch of (prompt ids, response ids) in equal micro-batches,
-    loss on the response tokens only. Returns (loss, summed token NLL, response tokens)."""
+    loss on the response tokens only. Returns (loss, summed token NLL, response tokens).
+
+    In a distributed run ``sequences`` is this rank's equal share of the optimizer batch: each
+    rank's loss is ``world_size`` times its part and the engine averages, so the gradient is the
+    single-process one; the returned figures are totals over ranks."""
     total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
-    for plan in plan_microbatches([len(p) + len(r) for p, r in sequences], gradient_accumulation_steps):
+    plans = plan_microbatches([len(p) + len(r) for p, r in sequences], gradient_accumulation_steps)
+    padding = distributed.padding_micro_batches(len(plans))
+    for plan in plans:
         chunk = [sequences[i] for i in plan]
         batch = build_sequences([p for p, _ in chunk], [r for _, r in chunk], pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -82,7 +89,11 @@ def accumulate_sft_gradient(model, sequences: list[tuple[list[int], list[int]]],
         total_loss += float(loss)
         total_nll += float(meta["token_nll"]) * n_tok
         total_tok += n_tok
-    return total_loss, total_nll, total_tok
+    for _ in range(padding):
+        distributed.dummy_backward(model)
+    world = distributed.current().world_size
+    return (distributed.all_reduce(total_loss) / world, distributed.all_reduce(total_nll),
+            distributed.all_reduce(total_tok))
 
 
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
@@ -98,12 +109,13 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         sampler = run.track("data", ExampleSampler(len(pairs), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s) if inputs.reward is not None else None
-        validate = validation(run, make_backend("hf", model, tokenizer, generator=generator), inputs, cfg, scorer)
+        validate = validation(run, make_backend("hf", run.sampling_model, tokenizer, generator=generator), inputs, cfg,
+                              scorer)
         if cfg.eval_every and not run.resuming:
             validate(0)  # the starting point of the validation curve
         for step in run.steps():
-            batch = [sequences[i] for i in sampler.next(cfg.train_batch_size)]
-            loss, nll, tok = accumulate_sft_gradient(model, batch, cfg.gradient_accumulation_steps, cfg.normalize_constant,
+            batch = distributed.shard([sequences[i] for i in sampler.next(cfg.train_batch_size)])
+            loss, nll, tok = accumulate_sft_gradient(run.model, batch, cfg.gradient_accumulation_steps, cfg.normalize_constant,
                                                      pad_id, run.device, run.autocast)
             result = run.optimizer_step(optimizer, scheduler, loss)
             run.log_update({"train_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0)}, result,

@@ -1,0 +1,173 @@
+"""``RunModel``: the run's model under its engine and LoRA — the half of ``Run`` that changes with
+``distributed`` and ``lora_r``, so that ``Run`` and the trainers read the same on 1 or N processes.
+
+It holds three views of one set of weights:
+
+- ``model``: what trainers train — the plain module (one process, DDP: gradients are reduced at the
+  optimizer step), the FSDP2-sharded module, or the DeepSpeed engine (built when the trainer's
+  optimizer is tracked, since DeepSpeed wraps the optimizer too);
+- ``sampling_model``: what the rollout backend and evaluation call — the training module itself
+  when its weights are whole and unadapted, else a plain copy with the full weights (gathered under
+  FSDP2/ZeRO-3; merged W + BA under LoRA), refreshed after each outer step that changed them;
+- the saved forms: checkpoints (model directory of the full — with LoRA, base — weights written by
+  rank 0, the adapter in the trainer state, the optimizer state sharded per rank under FSDP2 and
+  DeepSpeed) and ``final/`` (an ordinary Hugging Face directory; with LoRA the adapter, and the
+  merged model on request).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from ..models import lora
+from . import distributed
+from .checkpoints import atomic_directory, save_final
+from .config import ConfigError
+from .optimization import StepResult, optimizer_step
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activations recomputed in the backward (non-reentrant: works with frozen LoRA bases and FSDP2)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    try:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:  # transformers 4.x
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+class RunModel:
+    def __init__(self, cfg, model, device, state: dict | None):
+        self.cfg, self.device = cfg, device
+        self.dist = distributed.current()
+        self.optimizer_name, self.optimizer = None, None
+        if cfg.gradient_checkpointing and not getattr(model, "is_activation_checkpointing", False):
+            enable_gradient_checkpointing(model)
+        self.lora = cfg.lora_r > 0
+        copy_weights = self.lora or self.dist.sharded
+        self.replica = copy.deepcopy(model).eval().requires_grad_(False) if copy_weights else None
+        if self.lora:
+            model = lora.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+            if state is not None and "lora_adapter" in state:
+                model.load_state_dict(state["lora_adapter"], strict=False)
+        self.model = distributed.wrap(model, device).train()
+        self.dist.replica = self.replica
+        self.stale = True
+        self.refresh()
+
+    @property
+    def sampling_model(self):
+        return self.replica if self.replica is not None else self.model
+
+    def _full(self) -> dict:
+        return distributed.full_state_dict(self.model)
+
+    def refresh(self) -> None:
+        """Copy the current weights into the sampler's copy (a collective under sharding: every
+        rank calls it at the same point, after the outer step)."""
+        if self.replica is None or not self.stale:
+            return
+        full = self._full()
+        if self.lora:
+            full = lora.merged_state_dict(full, lora.lora_scaling(self._peft()))
+        self.replica.load_state_dict({k: v.to(self.device) for k, v in full.items()}, strict=False)
+        self.stale = False
+
+    def _peft(self):
+        return getattr(self.model, "module", self.model)
+
+    # ------------------------------------------------------------ optimizer
+
+    def attach_optimizer(self, name: str, optimizer, resumed_from: Path | None) -> None:
+        """A sharded engine's optimizer: DeepSpeed builds its engine around it now; its state is
+        saved and restored per rank (``save_sharded``), not in ``trainer_state.pt``."""
+        self.optimizer_name, self.optimizer = name, optimizer
+        if self.dist.strategy == "deepspeed":
+            self.model = distributed.wrap_optimizer(self.model, optimizer, self.cfg.max_grad_norm)
+        if resumed_from is not None:
+            distributed.load_sharded_optimizer(self.model, optimizer, resumed_from)
+
+    def optimizer_step(self, parameters_of, optimizer, scheduler, loss) -> StepResult:
+        self.stale = True
+        if self.dist.strategy == "deepspeed":
+            norm = distributed.deepspeed_step(loss)
+            if norm is None or not math.isfinite(norm):
+                return StepResult(float("nan") if norm is None else norm, True)
+            if scheduler is not None:
+                scheduler.step()
+            return StepResult(norm)
+        distributed.sync_gradients()
+        return optimizer_step(parameters_of or self.model, optimizer, scheduler, self.cfg.max_grad_norm, loss)
+
+    # ------------------------------------------------------------ saving
+
+    def for_checkpoint(self) -> tuple[torch.nn.Module, dict | None, dict]:
+        """(module whose config is saved, its weights or None for the module's own, extra trainer
+        state): with LoRA the base weights go to the model files and the adapter to the state."""
+        if self.replica is None:
+            return self.model, None, {}
+        full = {k: v.detach().cpu() for k, v in self._full().items()}
+        if not self.lora:
+            return self.replica, full, {}
+        return self.replica, lora.base_state_dict(full), {"lora_adapter": lora.adapter_state_dict(full)}
+
+    def save_sharded(self, directory: Path) -> None:
+        if self.optimizer is not None:
+            distributed.save_sharded_optimizer(self.model, self.optimizer, directory)
+
+    def save_final(self, tokenizer, target: Path, extra=None) -> Path:
+        """``final/``: an ordinary Hugging Face directory written by rank 0. With LoRA: the adapter
+        (``adapter_config.json`` + weights), and with ``lora_save_merged`` the merged model instead,
+        its adapter in ``final/adapter/``."""
+        if self.replica is None:
+            return save_final(self.model, tokenizer, target, extra) if self.dist.is_main else target
+        full = {k: v.detach().cpu() for k, v in self._full().items()}  # every rank: a collective
+
+        def write(tmp: Path) -> None:
+            if self.lora:
+                adapter_dir = tmp / "adapter" if self.cfg.lora_save_merged else tmp
+                self._peft().save_pretrained(adapter_dir, state_dict=lora.adapter_state_dict(full))
+                tokenizer.save_pretrained(adapter_dir)
+            if self.cfg.lora_save_merged or not self.lora:
+                self.replica.save_pretrained(tmp, safe_serialization=True)  # refreshed: full or merged weights
+                tokenizer.save_pretrained(tmp)
+            if extra is not None:
+                extra(tmp)
+
+        return atomic_directory(target, write) if self.dist.is_main else target
+
+
+def frozen_copy(model):
+    """A frozen reference policy: a copy of the starting model, eval mode, no gradients. With LoRA,
+    the same model with its adapter disabled (the base: no second copy of the weights); under
+    FSDP2/ZeRO-3, a plain copy of the full weights (its forwards need no other rank)."""
+    if lora.is_lora(model):
+        return lora.AdapterDisabled(model)
+    replica = distributed.current().replica
+    if replica is not None:
+        return copy.deepcopy(replica).eval().requires_grad_(False)
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def check_distributed(cfg, dist) -> None:
+    """Batch sizes must split evenly over the ranks, and some trainers cannot run under an engine yet."""
+    world = dist.world_size
+    if world == 1:
+        return
+    if cfg.command == "ppo":
+        raise ConfigError(f"distributed: {cfg.distributed}: ppo runs in one process for now (its value head is not "
+                          "under the engine); use distributed: none")
+    group = getattr(cfg, "group_size", 1) if cfg.command == "grpo" else 1
+    rollout = getattr(cfg, "rollout_batch_size", None)
+    if cfg.command == "grpo" and rollout % (group * world):
+        raise ConfigError(f"rollout_batch_size ({rollout}) must be divisible by group_size x processes "
+                          f"({group} x {world}): each group stays on one rank")
+    per_rank = getattr(cfg, "train_batch_size", world)
+    accumulation = 1 if cfg.command == "grpo" else getattr(cfg, "gradient_accumulation_steps", 1)
+    if per_rank % (world * accumulation):
+        raise ConfigError(f"train_batch_size ({per_rank}) must be divisible by processes x gradient_accumulation_steps "
+                          f"({world} x {accumulation})")

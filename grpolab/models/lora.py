@@ -1,0 +1,101 @@
+"""LoRA through ``peft`` (Hu et al. 2021): low-rank adapters on the linear layers, the base frozen.
+
+Three things a trainer needs beyond ``get_peft_model``:
+
+- the **reference policy** of GRPO/PPO/DPO is the base model, i.e. the same module with the
+  adapter disabled (``AdapterDisabled``): no second copy of the weights;
+- the **sampler** draws from the merged weights W + (alpha / r) B A (``merged_state_dict``),
+  computed from a state dict so it works the same on a plain, DDP or FSDP2-gathered model and never
+  touches the training weights (peft's in-place merge/unmerge would round them);
+- **checkpoints** store the base weights as an ordinary model directory plus the adapter
+  (``base_state_dict``, ``adapter_state_dict``), so a resumed run rebuilds the same adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError:  # pragma: no cover - the message is the point
+        raise ImportError("lora_r > 0 needs peft: pip install 'grpolab[scale]' (or pip install peft)") from None
+    return peft
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float = 0.0, target_modules="all-linear"):
+    """``model`` with LoRA adapters of rank ``r`` on ``target_modules`` (peft's names, or
+    ``all-linear``: every linear layer but the output head); only the adapters train. The adapters
+    are initialised as peft does (B = 0), so the wrapped model starts equal to the base."""
+    peft = require_peft()
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                             bias="none", task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def lora_scaling(model) -> float:
+    cfg = model.peft_config[ADAPTER]
+    return cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+
+
+class AdapterDisabled(torch.nn.Module):
+    """The reference policy: calls the LoRA model inside ``disable_adapter()``, i.e. the frozen
+    base. It owns no parameters (its state dict is empty: nothing is copied or checkpointed)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        object.__setattr__(self, "_policy", policy)  # not a submodule: no second registration
+
+    def forward(self, *args, **kwargs):
+        with self._policy.disable_adapter():
+            return self._policy(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._policy.parameters(recurse)
+
+    @property
+    def config(self):
+        return self._policy.config
+
+    def state_dict(self, *args, **kwargs):
+        return {}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return None
+
+
+def _plain_key(key: str) -> str:
+    return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+
+
+def base_state_dict(state: dict) -> dict:
+    """The base model's weights (ordinary Hugging Face names) from a peft model's state dict."""
+    return {_plain_key(k).replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+def adapter_state_dict(state: dict) -> dict:
+    """Only the adapter weights, under the peft model's own names."""
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def merged_state_dict(state: dict, scaling: float) -> dict:
+    """W + scaling * B @ A for every adapted linear layer (ordinary names): the weights the policy
+    computes with, as one plain model (what the sampler and a merged export use)."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = state[f"{stem}.lora_A.{ADAPTER}.weight"], state[f"{stem}.lora_B.{ADAPTER}.weight"]
+            value = value + scaling * (b.to(value.dtype) @ a.to(value.dtype))
+        out[_plain_key(key).replace(".base_layer.", ".")] = value
+    return out

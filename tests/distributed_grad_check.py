@@ -1,0 +1,93 @@
+"""Run by tests/test_algorithms_distributed.py under ``torchrun --nproc_per_node 2``: one GRPO
+optimizer batch's gradient on 2 ranks (each holding its contiguous share of the groups) against the
+single-process gradient of the whole batch, for every length normalisation and loss type, under DDP
+and FSDP2. Prints one JSON line per case on rank 0: {"case", "max_abs_diff", "scale"}."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import torch
+
+from grpolab.algorithms import distributed
+from grpolab.algorithms.batching import batched_log_probs, make_rollout_batch
+from grpolab.algorithms.gradients import accumulate_policy_gradient
+from grpolab.algorithms.grpo import GRPOConfig
+from grpolab.core import LENGTH_NORMALIZATIONS, policy_loss_names
+from grpolab.models import load_model_and_tokenizer
+from grpolab.rollout import Rollout
+
+N, GROUP = 16, 4
+
+
+def rollouts(seed: int = 0) -> tuple[list, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    prompts = [torch.randint(5, 30, (3 + k % 3,), generator=g).tolist() for k in range(N // GROUP)]
+    for i in range(N):
+        prompt = prompts[i // GROUP]  # a group shares its prompt
+        response = torch.randint(5, 30, (1 + (i * 7) % 6,), generator=g).tolist()
+        out.append(Rollout("p", "r", prompt, response, [-1.0] * len(response), "stop", prompt_index=i // GROUP))
+    adv = torch.randn(N, generator=g)
+    adv[N // 2 :] = 0.0  # the second rank's rows contribute nothing: it runs only padding micro-batches
+    adv[N // 2 + 1] = 0.7
+    return out, adv
+
+
+def gradient(model, cfg, rows_out, adv, old, kl_coef: float) -> dict[str, torch.Tensor]:
+    batch = make_rollout_batch(rows_out, adv.abs(), adv, 0)
+    width = batch.labels.shape[1]  # right padding: a share of the rows may be narrower than the whole batch
+    batch.old_log_probs = old[:, :width].contiguous()
+    batch.ref_log_probs = (old[:, :width] - 0.1).contiguous() if kl_coef else None
+    for p in model.parameters():
+        p.grad = None
+    rows = list(range(len(rows_out)))
+    contributes = batch.response_mask.any(1) & ((adv != 0) | (kl_coef > 0))
+    accumulate_policy_gradient(model, batch, rows, cfg, contributes, kl_coef, "cpu", lambda: torch.autocast("cpu", enabled=False))
+    distributed.sync_gradients()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return grads
+
+
+def main() -> None:
+    dist = distributed.setup("ddp", torch.device("cpu"))
+    base, _ = load_model_and_tokenizer("embedded:tiny", seed=0)
+    everything, adv = rollouts()
+    mine = distributed.shard(list(range(N)))
+    old_full = batched_log_probs(base, make_rollout_batch(everything, adv, adv, 0), 8, "cpu",
+                                 lambda: torch.autocast("cpu", enabled=False), 1.0)
+    old_full = old_full + 0.05 * torch.randn(old_full.shape, generator=torch.Generator().manual_seed(1))
+    cases = [(norm, loss, 0.0) for norm in LENGTH_NORMALIZATIONS for loss in policy_loss_names()]
+    cases += [("masked_mean", "grpo_clip", 0.1)]
+    models, engines = {}, {}
+    import os
+    for strategy in os.environ.get("STRATS", "ddp,fsdp2").split(","):
+        distributed._CURRENT = dataclasses.replace(dist, strategy=strategy)
+        models[strategy] = distributed.wrap(copy.deepcopy(base), torch.device("cpu"))
+        engines[strategy] = distributed._CURRENT.engine
+    for norm, loss, kl in cases:
+        cfg = GRPOConfig(rollout_batch_size=N, group_size=GROUP, train_batch_size=N, gradient_accumulation_steps=2,
+                         loss_type=loss, length_normalization=norm, kl_coef=kl, normalize_constant=7.0,
+                         sampling_max_tokens=8, device="cpu", show_progress=False)
+        distributed._CURRENT = distributed.Dist()  # the single-process reference, on the whole batch
+        ref = gradient(copy.deepcopy(base), cfg, everything, adv, old_full, kl)
+        for strategy, model in models.items():
+            distributed._CURRENT = dataclasses.replace(dist, strategy=strategy, engine=engines[strategy])
+            got = gradient(model, cfg, [everything[i] for i in mine], adv[mine], old_full[mine], kl)
+            diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+            scale = max(float(ref[k].abs().max()) for k in ref)
+            ratio = float(sum((got[k] * ref[k]).sum() for k in ref) / sum((ref[k] * ref[k]).sum() for k in ref))
+            if dist.is_main:
+                print(json.dumps({"case": f"{strategy}/{norm}/{loss}/kl={kl}", "max_abs_diff": diff, "scale": scale, "ratio": ratio}),
+                      flush=True)
+    distributed._CURRENT = dist
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()
