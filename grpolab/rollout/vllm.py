@@ -138,7 +138,8 @@ class VLLMRolloutBackend:
 
     def sleep(self) -> None:
         """GPU with ``enable_sleep_mode``: free the KV cache and offload the weights until the next
-        sync or generate (the training step gets the memory)."""
+        sync or generate (the training step gets the memory). Called after every generate; a no-op
+        without sleep mode."""
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
@@ -204,6 +205,7 @@ class VLLMRolloutBackend:
             p = r // copies
             for c in sorted(out.outputs, key=lambda c: c.index):
                 rollouts.append(self._rollout(prompts[p], ids[p], p, c, single))
+        self.sleep()  # with enable_sleep_mode the update that follows gets the engine's memory
         return rollouts
 
     def _rollout(self, prompt: str, prompt_ids: list[int], index: int, c, single: dict[int, str]) -> Rollout:
