@@ -142,12 +142,18 @@ class RolloutBatch:
 
 
 def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Tensor, pad_id: int) -> RolloutBatch:
+    """The rollouts as tensors. ``response_mask`` is the loss mask: response positions, minus the
+    observation tokens of multi-turn rollouts (``Rollout.loss_mask``), so those leave every loss,
+    length normaliser, KL, entropy and IS figure while still being fed to the model as context."""
     seqs = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id)
     sampler_lp = torch.zeros(seqs["labels"].shape)
+    mask = seqs["response_mask"]
     for i, r in enumerate(rollouts):
         start = len(r.prompt_ids) - 1
         sampler_lp[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs)
-    return RolloutBatch(seqs["input_ids"], seqs["labels"], seqs["response_mask"], raw_rewards, advantages, sampler_lp,
+        if r.loss_mask is not None:
+            mask[i, start : start + len(r.loss_mask)] &= torch.tensor(r.loss_mask, dtype=torch.bool)
+    return RolloutBatch(seqs["input_ids"], seqs["labels"], mask, raw_rewards, advantages, sampler_lp,
                         [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts], pad_id)
 
 

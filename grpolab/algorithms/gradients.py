@@ -36,7 +36,9 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
         out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
                                  return_token_entropy=True)
     p_lens, r_lens, index = out["prompt_lengths"], out["response_lengths"], torch.tensor(live)
-    mb = {"response_mask": out["response_mask"], "advantages": tensors["advantages"][index].to(device),
+    # the batch's mask, not the sequences': it also removes observation tokens (multi-turn rollouts)
+    mask = label_to_response_layout(tensors["response_mask"][index], p_lens, r_lens).to(device)
+    mb = {"response_mask": out["response_mask"] & mask, "advantages": tensors["advantages"][index].to(device),
           "raw_rewards": tensors["raw_rewards"][index].to(device)}
     for key in ("old_log_probs", "ref_log_probs", "is_weights"):
         if key in tensors:

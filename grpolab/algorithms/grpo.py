@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -33,6 +33,7 @@ from ..core import (
     policy_loss_names,
     whiten,
 )
+from ..envs import EnvBackend, build_env, env_option_names, tool_metrics
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from .batching import (
@@ -94,6 +95,11 @@ class GRPOConfig(PolicyUpdateConfig):
     importance_sampling_level: Literal["token", "sequence"] = "token"
     importance_sampling_cap: float = Field(2.0, gt=1)
     max_rollout_samples: int | None = Field(None, ge=1)  # stop once this many responses were sampled (budgets)
+    # --- multi-turn tool use (grpolab.envs): keywords of envs.build_env, e.g. {tools: [search], corpus:
+    # corpus.jsonl, top_k: 1, max_turns: 2, max_total_tokens: 128, call_cost: 0.0}. The model generates
+    # until a tool call closes, the tool's observation is appended (tokenised once) and generation goes
+    # on; observation tokens are context only: they leave every loss, normaliser, KL and entropy.
+    env: dict[str, Any] | None = None
     # --- speed and precision
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
@@ -114,6 +120,15 @@ class GRPOConfig(PolicyUpdateConfig):
             raise ValueError(f"unknown {info.field_name}; expected one of {', '.join(allowed)}")
         return value
 
+    @field_validator("env")
+    @classmethod
+    def _env_keys(cls, value):
+        """Unknown environment keys are a config error here, not a TypeError deep in the run."""
+        unknown = sorted(set(value or {}) - set(env_option_names()))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; expected some of {', '.join(env_option_names())}")
+        return value
+
     @model_validator(mode="after")
     def _check(self):
         if self.train_batch_size < self.group_size:
@@ -126,6 +141,11 @@ class GRPOConfig(PolicyUpdateConfig):
                 "loss_type 'grpo_clip' on-policy (one epoch, train_batch_size == rollout_batch_size): the ratio is "
                 "always 1, so clipping never acts; it equals reinforce_with_baseline", UserWarning, stacklevel=2)
         return self
+
+    @property
+    def call_cost(self) -> float:
+        """Reward subtracted per tool call (``env.call_cost``; 0 without an environment)."""
+        return float((self.env or {}).get("call_cost", 0.0))
 
     @property
     def is_correction(self) -> str:
@@ -312,6 +332,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         backend = make_backend(cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
                                **cfg.backend_options())
+        if cfg.env is not None:  # multi-turn: the environment runs the tools around the same backend
+            backend = EnvBackend(backend, build_env(**cfg.env, tokenizer=tokenizer))
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
@@ -337,6 +359,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             sync_s = sync_policy(backend, run.sampling_model, update)
             # 6. metrics and health
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
+            if cfg.env is not None:  # tool calls, errors, turns, observation vs model tokens
+                m.update(tool_metrics(groups.rollouts))
             m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
                       "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": rollout_s,
                       "time/train_s": time.perf_counter() - t1 - sync_s, "time/weight_sync_s": sync_s,

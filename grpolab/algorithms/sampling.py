@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import overlong_reward_penalty
+from ..envs import apply_call_cost
 from . import distributed
 
 
@@ -37,6 +38,7 @@ def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tu
     """Sample and score one batch of prompts; the rewards include the overlong penalty when asked."""
     rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
     scores = scorer.score([r.response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts])
+    scores = apply_call_cost(scores, rollouts, getattr(cfg, "call_cost", 0.0))  # tool use: a price per call
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_buffer_len:
         lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)

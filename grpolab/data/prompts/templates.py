@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-BUILTIN_TEMPLATES = ("r1_zero", "question_only", "compact")
+BUILTIN_TEMPLATES = ("r1_zero", "question_only", "compact", "rag_compact")
 
 
 class TemplateError(ValueError):

@@ -18,7 +18,9 @@ from .arithmetic import ArithmeticTask
 from .base import SPLITS, Task, apply_op, split_of, wrong_value
 from .countdown import CountdownTask
 from .registry import TASKS, get_task
+from .retrieval import RetrievalTask, retrieval_reward_fn
 
 __all__ = [
-    "SPLITS", "TASKS", "ArithmeticTask", "CountdownTask", "Task", "apply_op", "get_task", "split_of", "wrong_value",
+    "SPLITS", "TASKS", "ArithmeticTask", "CountdownTask", "RetrievalTask", "Task", "apply_op", "get_task",
+    "retrieval_reward_fn", "split_of", "wrong_value",
 ]

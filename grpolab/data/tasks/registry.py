@@ -5,8 +5,9 @@ from __future__ import annotations
 from .arithmetic import ArithmeticTask
 from .base import Task
 from .countdown import CountdownTask
+from .retrieval import RetrievalTask
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "retrieval": RetrievalTask}
 
 
 def get_task(name: str, **kwargs) -> Task:

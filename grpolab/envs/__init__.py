@@ -1,0 +1,79 @@
+"""Environments for multi-turn rollouts with tools: retrieval (BM25 over a local corpus), a safe
+calculator and custom ``module:function`` tools.
+
+How a trainer uses one::
+
+    env = build_env(tools=["search"], corpus="corpus.jsonl", top_k=1, max_turns=3, max_total_tokens=160)
+    backend = EnvBackend(make_backend("hf", model, tokenizer), env)   # or rollouts(backend, env, ...)
+    out = backend.generate(prompts, group_size, sampling)             # multi-turn, prompt-major
+    # train with response_mask & loss_mask: observation tokens get no gradient
+    scores = apply_call_cost(scorer.score([r.response for r in out], answers), out, env.call_cost)
+
+Layer: imports core, data, rewards, rollout and models only (never algorithms or the CLI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .base import Tool, ToolCall, ToolEnv, ToolOutput
+from .calculator import Calculator, CalculatorError
+from .custom import CustomTool, resolve_tool
+from .demonstrations import Demonstration, replay_demonstrations, split_demonstration, tool_metrics
+from .retrieval import (
+    BM25Index,
+    BM25Settings,
+    CorpusError,
+    RetrievalAugmentedTemplate,
+    SearchTool,
+    fill_template,
+    load_corpus,
+    open_index,
+    retrieval_augmented_prompts,
+    truncate,
+)
+from .rollouts import EnvBackend, apply_call_cost, loss_mask_tensor, rollouts
+
+
+def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, text_field: str = "text",
+              cache_dir: str | None = None, top_k: int = 1, max_chars: int | None = 200, max_tokens: int | None = None,
+              tokenizer=None, tool_timeout_s: float = 10.0, **env_options) -> ToolEnv:
+    """A ``ToolEnv`` from config values. ``tools``: ``"search"`` (needs ``corpus``), ``"calculate"``,
+    ``"pkg.mod:fn"`` (a custom tool, named after its function) or a ``Tool`` object;
+    ``env_options``: ``ToolEnv`` fields (``max_turns``, ``max_total_tokens``, ``call_cost``, ...)."""
+    built = []
+    for spec in tools:
+        if not isinstance(spec, str):
+            built.append(spec)
+        elif spec == "search":
+            if corpus is None:
+                raise ValueError("the search tool needs a corpus (a JSONL file or a directory of .txt files)")
+            index = open_index(corpus, text_field, cache_dir)
+            built.append(SearchTool(index, top_k, max_chars, max_tokens, tokenizer))
+        elif spec == "calculate":
+            built.append(Calculator())
+        elif ":" in spec:
+            built.append(CustomTool(spec, name=spec.partition(":")[2], timeout_s=tool_timeout_s))
+        else:
+            raise ValueError(f"unknown tool {spec!r}: expected 'search', 'calculate' or 'package.module:function'")
+    return ToolEnv({t.name: t for t in built}, **env_options)
+
+
+def env_option_names() -> list[str]:
+    """The keys a config's ``env`` mapping may hold: ``build_env``'s keywords and ``ToolEnv``'s fields."""
+    import dataclasses
+    import inspect
+
+    names = [p for p in inspect.signature(build_env).parameters if p not in ("tokenizer", "env_options")]
+    fields = [f.name for f in dataclasses.fields(ToolEnv) if f.init and not f.name.startswith("_")]
+    return names + [f for f in fields if f != "tools" and f not in names]
+
+
+__all__ = [
+    "BM25Index", "BM25Settings", "Calculator", "CalculatorError", "CorpusError", "CustomTool", "Demonstration",
+    "EnvBackend", "RetrievalAugmentedTemplate", "SearchTool", "Tool", "ToolCall", "ToolEnv", "ToolOutput",
+    "apply_call_cost", "build_env", "env_option_names", "fill_template", "load_corpus", "loss_mask_tensor", "open_index",
+    "replay_demonstrations", "resolve_tool", "retrieval_augmented_prompts", "rollouts", "split_demonstration",
+    "tool_metrics", "truncate",
+]

@@ -1,0 +1,91 @@
+"""GRPO with a tool environment: observation tokens are context only — zero gradient through every
+loss, normaliser, KL and IS term — and a run with the live tool logs its tool figures."""
+
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from grpolab.algorithms.batching import make_rollout_batch
+from grpolab.algorithms.gradients import accumulate_policy_gradient
+from grpolab.algorithms.grpo import train_grpo
+from grpolab.models import load_model_and_tokenizer
+from grpolab.rollout import Rollout
+
+CPU = torch.device("cpu")
+
+
+def _multi_turn_rollouts(tok, n=4):
+    """A group of ``n`` tool-using responses: model tokens, an observation, model tokens again."""
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = enc("Q: 12+30\nA: ")
+    out = []
+    for i in range(n):
+        call, obs, answer = enc(f"<calculate>12+3{i}</calculate>"), enc(f"<result>4{i}</result>"), enc(f"<answer>4{i}</answer>")
+        ids = call + obs + answer
+        mask = [True] * len(call) + [False] * len(obs) + [True] * len(answer)
+        out.append(Rollout(prompt="q", response="r", prompt_ids=prompt, response_ids=ids, logprobs=[-1.0] * len(ids),
+                           finish_reason="stop", prompt_index=0, loss_mask=mask))
+    return out
+
+
+def _gradient(model, batch, cfg):
+    model.zero_grad(set_to_none=True)
+    rows = list(range(batch.labels.shape[0]))
+    accumulate_policy_gradient(model, batch, rows, cfg, torch.ones(len(rows), dtype=torch.bool), 0.1, CPU, nullcontext)
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("normalization", ["masked_mean", "masked_normalize", "token_mean"])
+def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, shared, normalization):
+    model, tok = tiny_model()
+    rollouts = _multi_turn_rollouts(tok)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    batch = make_rollout_batch(rollouts, rewards, rewards - 0.5, tok.pad_token_id)
+    start = len(rollouts[0].prompt_ids) - 1
+    expected = torch.zeros_like(batch.response_mask)
+    expected[:, start : start + len(rollouts[0].loss_mask)] = torch.tensor(rollouts[0].loss_mask)
+    assert torch.equal(batch.response_mask, expected)  # the loss mask: model tokens only
+    # every per-token input of the loss present: old (clipped ratio), reference (KL), IS weights
+    for key in ("old_log_probs", "ref_log_probs"):
+        setattr(batch, key, batch.sampler_log_probs - 0.05 * torch.rand(batch.labels.shape, generator=torch.Generator().manual_seed(1)))
+    batch.is_weights = torch.full(batch.labels.shape, 0.9)
+    cfg = grpo_config(rollout_batch_size=4, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
+                      loss_type="grpo_clip", length_normalization=normalization, epochs_per_rollout_batch=2,
+                      kl_coef=0.1, entropy_coef=0.01, share_prompt_prefix=shared)
+    reference = _gradient(model, batch, cfg)
+    assert reference.abs().sum() > 0
+    observation = batch.response_mask.clone().zero_()
+    observation[:, start : start + len(rollouts[0].loss_mask)] = ~torch.tensor(rollouts[0].loss_mask)
+    for key in ("old_log_probs", "ref_log_probs", "is_weights", "sampler_log_probs"):
+        original = getattr(batch, key).clone()
+        getattr(batch, key)[observation] += 3.0  # change the loss's inputs at observation tokens only
+        assert torch.equal(_gradient(model, batch, cfg), reference), key
+        getattr(batch, key)[~observation & batch.response_mask] += 3.0  # ... and at model tokens: it moves
+        if key != "sampler_log_probs":  # (the sampler's log-probs only enter through the IS weights)
+            assert not torch.equal(_gradient(model, batch, cfg), reference), key
+        setattr(batch, key, original)
+
+
+def test_grpo_with_the_calculator_tool_runs_and_logs_tool_figures(grpo_config):
+    cfg = grpo_config(n_grpo_steps=2, sampling_max_tokens=16, env={"tools": ["calculate"], "max_turns": 2,
+                                                                   "max_total_tokens": 40, "call_cost": 0.1})
+    result = train_grpo(cfg)
+    steps = [json.loads(line) for line in open(result.metrics_path) if '"train/reward"' in line]
+    assert len(steps) == 2
+    for record in steps:
+        assert 0.0 <= record["tools/call_rate"] <= 1.0 and record["tools/model_tokens"] > 0
+        assert record["tools/turns"] >= 1.0
+
+
+def test_unknown_env_keys_and_a_missing_corpus_are_one_line_errors(grpo_config, tmp_path):
+    from grpolab.algorithms.config import ConfigError
+    from grpolab.algorithms.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match="'env': unknown key\\(s\\) korpus"):
+        GRPOConfig.build(overrides={"env": {"tools": ["search"], "korpus": "x.jsonl"}})
+    cfg = grpo_config(env={"tools": ["search"], "corpus": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(ValueError, match="missing.jsonl"):
+        train_grpo(cfg)
