@@ -169,6 +169,7 @@ def eval_cmd(
     seed: int = typer.Option(0, "--seed"),
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds a reward may take per response."),
     backend: str = typer.Option("hf", "--backend", help="Sampler: hf (the model itself) or vllm (a vLLM engine)."),
+    env: Optional[Path] = typer.Option(None, "--env", help="A YAML of tool-environment keys (as a config's env:): multi-turn tool use."),
 ) -> None:
     """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
     _quiet_hf()
@@ -187,6 +188,8 @@ def eval_cmd(
         lm, tok = load_model_and_tokenizer(model)
         corpus_ids = corpus_token_ids(corpus, tok) if corpus else None
         sampler = make_backend(backend, lm, tok, seed=seed)
+        if env is not None:  # multi-turn: the tools run around the same sampler
+            sampler = _env_backend(sampler, env, tok)
         metrics, generations = evaluate_model(lm, tok, sampler, examples, template, reward_fn,
                                               k=k, temperature=temperature, max_tokens=max_tokens, seed=seed,
                                               corpus_ids=corpus_ids, reward_timeout_s=reward_timeout, source=data)
@@ -196,6 +199,21 @@ def eval_cmd(
     write_report(out, metrics, generations)
     typer.echo(format_table(metrics))
     typer.echo(f"\nwritten: {out / 'eval.json'}, {out / 'generations.jsonl'}")
+
+
+def _env_backend(sampler, path: Path, tokenizer):
+    """``sampler`` wrapped in the tool environment described by the YAML file ``path``."""
+    import yaml
+
+    from .envs import EnvBackend, build_env, env_option_names
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no such environment file")
+    options = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    unknown = sorted(set(options) - set(env_option_names())) if isinstance(options, dict) else ["(not a mapping)"]
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(env_option_names())}")
+    return EnvBackend(sampler, build_env(**options, tokenizer=tokenizer))
 
 
 @app.command()
@@ -240,13 +258,22 @@ def demo(
     sft_steps: Optional[int] = typer.Option(None, "--sft-steps", help="Override the SFT warm-up length."),
     grpo_steps: Optional[int] = typer.Option(None, "--grpo-steps", help="Override the number of GRPO steps."),
     test_examples: Optional[int] = typer.Option(None, "--test-examples", help="Held-out questions to evaluate on."),
+    tools: bool = typer.Option(False, "--tools", help="The tool-use demo: questions answered by searching a corpus."),
 ) -> None:
     """The main job: SFT warm-up on imperfect demonstrations, then GRPO, on the embedded tiny model;
-    prints a before/after table and writes metrics, a plot, summary.json and the final model."""
+    prints a before/after table and writes metrics, a plot, summary.json and the final model.
+    With --tools: the same on questions about invented entities, with a live BM25 search tool."""
     _quiet_hf()
-    from .demo import run_demo
-
     try:
+        if tools:
+            from .demo_tools import run_tools_demo
+
+            overrides = {k: v for k, v in (("sft_steps", sft_steps), ("grpo_steps", grpo_steps),
+                                           ("test_examples", test_examples)) if v is not None}
+            run_tools_demo(run_dir if run_dir != Path("runs/demo") else Path("runs/demo_tools"), seed=seed, **overrides)
+            return
+        from .demo import run_demo
+
         run_demo(run_dir, seed=seed, sft_steps=sft_steps, grpo_steps=grpo_steps, test_examples=test_examples)
     except _user_errors() as exc:
         _fail(str(exc))

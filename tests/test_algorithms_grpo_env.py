@@ -89,3 +89,22 @@ def test_unknown_env_keys_and_a_missing_corpus_are_one_line_errors(grpo_config, 
     cfg = grpo_config(env={"tools": ["search"], "corpus": str(tmp_path / "missing.jsonl")})
     with pytest.raises(ValueError, match="missing.jsonl"):
         train_grpo(cfg)
+
+
+def test_eval_with_an_env_file_reports_tool_use_and_bad_files_are_one_line_errors(tmp_path):
+    from tests.test_algorithms_run import Proc, grpolab
+
+    env = tmp_path / "env.yaml"
+    env.write_text("tools: [calculate]\nmax_turns: 2\nmax_total_tokens: 30\n")
+    out = tmp_path / "out"
+    Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:arithmetic", "--n", "4", "--k", "2",
+                 "--max-tokens", "12", "--out", out, "--env", env), tmp_path, "eval").ok()
+    metrics = json.loads((out / "eval.json").read_text())
+    generations = [json.loads(line) for line in open(out / "generations.jsonl")]
+    assert len(generations) == 8 and all("tool_calls" in g and "turns" in g for g in generations)
+    assert metrics["tool_call_rate"] == sum(g["tool_calls"] > 0 for g in generations) / 8
+    assert metrics["mean_turns"] == sum(g["turns"] for g in generations) / 8
+    env.write_text("tools: [calculate]\nmax_turnz: 2\n")
+    bad = Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:arithmetic", "--n", "2", "--out", out,
+                       "--env", env), tmp_path, "bad").wait()
+    assert bad.returncode == 2 and "unknown key(s) max_turnz" in bad.stderr and "Traceback" not in bad.stderr

@@ -140,11 +140,23 @@ def evaluate_model(
     m["token_entropy"] = sum(entropies) / max(1, len(entropies))
     if corpus_ids is not None:
         m["perplexity"] = perplexity(model, corpus_ids, ppl_max_length, ppl_stride)
+    m.update(rollout_info_means(result.rollouts))
     generations = [{"question": examples[r.prompt_index].question, "prompt": r.prompt, "response": r.response,
                     "ground_truth": result.ground_truths[i], "answer": keys[i], **result.scores[i],
-                    "length": len(r.response_ids), "finish_reason": r.finish_reason}
+                    "length": len(r.response_ids), "finish_reason": r.finish_reason, **r.info}
                    for i, r in enumerate(result.rollouts)]
     return m, generations
+
+
+def rollout_info_means(rollouts) -> dict[str, float]:
+    """Multi-turn rollouts (a tool environment): the mean of each per-rollout figure (tool calls,
+    errors, turns, observation and model tokens) and the share of answers that called a tool."""
+    infos = [r.info for r in rollouts if r.info]
+    if not infos:
+        return {}
+    out = {f"mean_{k}": sum(i.get(k, 0) for i in infos) / len(rollouts) for k in sorted(infos[0])}
+    out["tool_call_rate"] = sum(i.get("tool_calls", 0) > 0 for i in infos) / len(rollouts)
+    return out
 
 
 def format_table(metrics: dict[str, Any]) -> str:
