@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..rewards.isolation import child_sys_path
 from ..rewards.registry import reward_spec
-from ..rewards.supervisor import RewardWorker, WorkerPool, WorkerStartError, _take_idle
+from ..rewards.supervisor import RewardWorker, WorkerPool, WorkerStartError, take_idle
 from .base import ToolOutput
 
 ToolFn = Callable[[str], str]
@@ -58,7 +58,7 @@ class ToolPool(WorkerPool):
     The spec is ``{"tool": name}``, so an idle tool worker is never handed to a reward scorer."""
 
     def __init__(self, spec: dict, sys_path: list[str], n: int):
-        self.workers = [_take_idle(spec, sys_path) or ToolWorker(spec, sys_path) for _ in range(max(1, n))]
+        self.workers = [take_idle(spec, sys_path) or ToolWorker(spec, sys_path) for _ in range(max(1, n))]
         self.restarts = 0
 
 

@@ -132,7 +132,7 @@ class WorkerPool:
     """``n`` workers for one reward; ``run`` scores a batch split into contiguous chunks."""
 
     def __init__(self, spec: Any, sys_path: list[str], n: int):
-        self.workers = [_take_idle(spec, sys_path) or RewardWorker(spec, sys_path) for _ in range(max(1, n))]
+        self.workers = [take_idle(spec, sys_path) or RewardWorker(spec, sys_path) for _ in range(max(1, n))]
         self.restarts = 0
 
     def run(self, items: list[tuple[str, Any]], timeout_s: float | None, max_restarts: int) -> list[Any]:
@@ -237,7 +237,9 @@ _IDLE: list[RewardWorker] = []
 _IDLE_LOCK = threading.Lock()
 
 
-def _take_idle(spec: Any, sys_path: list[str]) -> RewardWorker | None:
+def take_idle(spec: Any, sys_path: list[str]) -> RewardWorker | None:
+    """A live idle worker already started for ``spec`` (reused instead of a new process), or None;
+    shared with the tool workers of ``grpolab.envs.custom``."""
     key = json.dumps([spec, list(sys_path)])
     with _IDLE_LOCK:
         for worker in _IDLE:
