@@ -68,7 +68,10 @@ def test_lora_grpo_run_saves_adapter_and_merged_model(tmp_path, small_run):
 def test_lora_grpo_learns_a_trivially_learnable_reward(grpo_config):
     """Only the adapters train, and the sampler draws from the merged weights: if either were wrong
     (no gradient into B, or a sampler left on the base), the reward would stay at the random
-    model's ~0.1."""
+    model's. Measured (seed 1): the same run with learning_rate 1e-9 scores 0.007 over the first
+    3 steps and 0.01 over the last 5; this one 0.01 and ~0.12. LoRA on every linear layer cannot
+    move the tiny model's output head (tied to the embeddings), so it learns this reward slower than
+    full fine-tuning does (tests/test_algorithms_grpo.py: > 0.6 after 25 steps)."""
     from safetensors.torch import load_file
 
     from grpolab.algorithms.grpo import train_grpo
@@ -78,12 +81,27 @@ def test_lora_grpo_learns_a_trivially_learnable_reward(grpo_config):
                       gradient_accumulation_steps=1, sampling_max_tokens=3, learning_rate=3e-2,
                       reward="tests.reward_fixtures:starts_with_7", seed=1, lora_r=8, lora_alpha=16,
                       eval_examples=4, log_generations_samples=0)
-    result = train_grpo(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and far faster on a busy machine
+    try:
+        result = train_grpo(cfg)
+    finally:
+        torch.set_num_threads(threads)
     rewards = [r["train/reward"] for r in read_metrics(result.metrics_path) if "train/reward" in r]
     assert len(rewards) == 20
-    assert sum(rewards[:3]) / 3 < 0.2, rewards
-    assert sum(rewards[-5:]) / 5 > 0.5, rewards
+    assert sum(rewards[:3]) / 3 < 0.03, rewards
+    assert sum(rewards[-5:]) / 5 > 0.06, rewards  # 6x the untrained run's
     config = json.loads((result.final_dir / "adapter_config.json").read_text())  # final/ is the adapter
     assert config["r"] == 8
     adapter = load_file(str(result.final_dir / "adapter_model.safetensors"))
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0: it trained
+
+
+def test_lora_on_a_tied_output_head_is_refused_in_one_line(tiny_model):
+    pytest.importorskip("peft", reason="peft is not installed: pip install 'grpolab[scale]'")
+    from grpolab.models.lora import apply_lora
+
+    model, _ = tiny_model()
+    assert model.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="lora_target_modules: 'lm_head' is tied to the input embeddings"):
+        apply_lora(model, 4, 8.0, target_modules=["q_proj", "lm_head"])

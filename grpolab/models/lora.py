@@ -32,6 +32,11 @@ def apply_lora(model, r: int, alpha: float, dropout: float = 0.0, target_modules
     ``all-linear``: every linear layer but the output head); only the adapters train. The adapters
     are initialised as peft does (B = 0), so the wrapped model starts equal to the base."""
     peft = require_peft()
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if getattr(model.config, "tie_word_embeddings", False) and any(t.split(".")[-1] == "lm_head" for t in targets):
+        # a merged lm_head would be copied into the tied input embeddings too: a different policy
+        raise ValueError("lora_target_modules: 'lm_head' is tied to the input embeddings in this model; "
+                         "adapt the other linear layers (all-linear leaves the head out)")
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                              bias="none", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
