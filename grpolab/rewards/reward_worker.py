@@ -40,12 +40,15 @@ def watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
-def main() -> None:  # pragma: no cover - runs in the child process
+def serve(load) -> None:  # pragma: no cover - runs in the child process
+    """The worker side of the protocol: ``load(spec)`` (called once, after the parent's hello) gives
+    ``handle(a, b)``, applied to each item of each batch; every result, exception or ``SystemExit``
+    becomes one message. Shared by the reward workers and the tool workers (``grpolab.envs``)."""
     proto_in = os.fdopen(os.dup(0), "rb")
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(2, 1)  # a reward's print() goes to the trainer's stderr, not into the protocol
+    os.dup2(2, 1)  # a reward's or tool's print() goes to the trainer's stderr, not into the protocol
     sys.stdout = sys.stderr  # line-buffered: nothing is lost when the worker is killed
     threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
 
@@ -58,9 +61,7 @@ def main() -> None:  # pragma: no cover - runs in the child process
         return
     sys.path[:] = hello["sys_path"]
     try:
-        from grpolab.rewards.registry import build_reward, check_reward_output
-
-        reward_fn = build_reward(hello["spec"])
+        handle = load(hello["spec"])
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which falls back
         send(["fatal", f"{type(exc).__name__}: {exc}"])
         return
@@ -69,12 +70,23 @@ def main() -> None:  # pragma: no cover - runs in the child process
         batch = read_frame(proto_in)
         if batch is None:
             return
-        for response, ground_truth in batch:
+        for a, b in batch:
             try:
-                message = ["ok", check_reward_output(reward_fn(response, ground_truth))]
+                message = ["ok", handle(a, b)]
             except BaseException as exc:  # noqa: BLE001 - SystemExit from a reward is an error too
                 message = ["err", f"{type(exc).__name__}: {exc}"]
             send(message)
+
+
+def _load_reward(spec):
+    from grpolab.rewards.registry import build_reward, check_reward_output
+
+    reward_fn = build_reward(spec)
+    return lambda response, ground_truth: check_reward_output(reward_fn(response, ground_truth))
+
+
+def main() -> None:  # pragma: no cover - runs in the child process
+    serve(_load_reward)
 
 
 if __name__ == "__main__":
