@@ -37,8 +37,8 @@ def _gradient(model, batch, cfg):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("normalization", ["masked_mean", "masked_normalize", "token_mean"])
+@pytest.mark.parametrize("normalization,shared", [("masked_mean", True), ("masked_normalize", False),
+                                                  ("token_mean", True), ("masked_mean", False)])
 def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, shared, normalization):
     model, tok = tiny_model()
     rollouts = _multi_turn_rollouts(tok)

@@ -257,6 +257,9 @@ def test_public_names_stay_importable_from_the_packages():
         assert all(hasattr(module, name) for name in module.__all__)
     assert {"TASKS", "ArithmeticTask", "CountdownTask", "get_task", "split_of", "Task", "SPLITS"} <= set(tasks.__all__)
     assert {"BUILTIN_TEMPLATES", "PromptTemplate", "TemplateError", "load_template", "R1_ZERO_PROMPT"} <= set(prompts.__all__)
-    assert data.load_template is from_module and TASKS == {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+    from grpolab.data.tasks.retrieval import RetrievalTask
+
+    assert data.load_template is from_module
+    assert TASKS == {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "retrieval": RetrievalTask}
     assert issubclass(ArithmeticTask, Task) and issubclass(CountdownTask, Task)
     assert data.get_task("countdown", seed=1).examples("test", 2) == tasks.get_task("countdown", seed=1).examples("test", 2)
