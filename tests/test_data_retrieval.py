@@ -14,13 +14,15 @@ from grpolab.models.tiny import CHARACTERS, build_char_tokenizer
 def test_world_and_corpus_are_deterministic_per_seed(tmp_path):
     a, b, c = RetrievalTask(seed=0), RetrievalTask(seed=0), RetrievalTask(seed=1)
     assert a.world == b.world and a.world != c.world
-    assert len(a.corpus()) == 4 * a.num_entities == len(set(a.corpus()))
+    assert len(a.corpus()) == 3 * a.num_entities == len(set(a.corpus()))
     path = a.write_corpus(tmp_path / "corpus.jsonl")
     assert load_corpus(path) == a.corpus()
-    names = list(a.world) + [v for facts in a.world.values() for r, v in facts.items() if r != "founded"]
+    values = [v for facts in a.world.values() for v in facts.values()]
+    names = list(a.world) + values
     assert len(names) == len(set(names))  # every invented name is unique in the world
-    values = [v for facts in a.world.values() for r, v in facts.items() if r != "founded"]
-    assert all(5 <= len(v) <= 8 and v.isalpha() for v in values)
+    # fixed shapes: the copy distances never change (what lets the tiny model learn to copy)
+    assert all(len(e) == 4 and e.isalpha() for e in a.world) and all(len(v) == 5 and v.isalpha() for v in values)
+    assert a.corpus()[0] == f"{next(iter(a.world))} ruler: {a.world[next(iter(a.world))]['ruler']}"
     assert all(set(t) <= set(CHARACTERS) for t in a.corpus())  # the char-level tokenizer reads every passage
 
 
@@ -50,7 +52,7 @@ def test_demonstrations_call_the_tool_and_copy_the_answer_from_the_result(tmp_pa
     assert all(d.tool_calls == 1 and False in d.loss_mask for d in demos)
 
 
-@pytest.mark.parametrize("kind", ["search", "answer", "mixed"])
+@pytest.mark.parametrize("kind", ["typo", "search", "answer", "mixed"])
 def test_imperfect_demonstrations_are_wrong_in_the_stated_way(kind):
     task = RetrievalTask(seed=0, wrong_fraction=0.5, wrong_kind=kind)
     examples = task.examples("train", 400)
@@ -60,15 +62,22 @@ def test_imperfect_demonstrations_are_wrong_in_the_stated_way(kind):
                for e in examples)
     bad_search = [e for e in wrong if f"<search>{e.meta['query']}</search>" not in e.solution]
     bad_answer = [e for e in wrong if f"<search>{e.meta['query']}</search>" in e.solution]
-    assert {"search": (len(wrong), 0), "answer": (0, len(wrong))}.get(kind, (len(bad_search), len(bad_answer))) == (
-        len(bad_search), len(bad_answer))
+    assert {"search": (len(wrong), 0), "answer": (0, len(wrong)), "typo": (0, len(wrong))}.get(
+        kind, (len(bad_search), len(bad_answer))) == (len(bad_search), len(bad_answer))
+    answered = {id(e): e.solution.split("<answer>")[1].split("</answer>")[0] for e in bad_answer}
+    typos = [e for e in bad_answer if _letters_changed(answered[id(e)], e.answer) == 1]
+    assert len(typos) == {"typo": len(wrong), "answer": 0}.get(kind, len(typos))  # an invented name differs more
     if kind == "mixed":
-        assert bad_search and bad_answer
+        assert bad_search and typos and len(typos) < len(bad_answer)
     for e in bad_search:  # the answer is copied from the passage of the entity searched for
         searched = e.solution.split("<search>")[1].split(" ")[0]
         assert searched != e.meta["entity"]
         assert task.world[searched][e.meta["relation"]] in e.solution.split("<answer>")[1]
     assert task.wrong_solution(examples[0], random.Random(0)) != examples[0].solution
+
+
+def _letters_changed(a: str, b: str) -> int:
+    return len(a) - len(b) + sum(x != y for x, y in zip(a, b)) if len(a) >= len(b) else _letters_changed(b, a)
 
 
 def test_verifier_is_exact_match_after_normalisation():
@@ -84,5 +93,7 @@ def test_bad_settings_are_refused():
         RetrievalTask(wrong_kind="step")
     with pytest.raises(ValueError, match="relations"):
         RetrievalTask(relations="capital,weather")
+    with pytest.raises(ValueError, match="num_entities"):
+        RetrievalTask(num_entities=5)
     with pytest.raises(ValueError, match="fewer than"):
         RetrievalTask(num_entities=10).examples("test", 500)

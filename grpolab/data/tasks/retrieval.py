@@ -1,9 +1,9 @@
 """Questions about invented entities whose facts live only in a generated corpus: a task that needs
 retrieval (``grpolab.envs``: ``<search>`` over the corpus, or the passages in the prompt).
 
-The world is drawn from the seed: ``num_entities`` invented places with short names ("Zorv"), each
-with a capital, a ruler and a river (invented names of 4-6 letters, unique in the world). Every
-fact is one line of the corpus, ``Zorv capital: Velmo``; a question is ``capital of Zorv?``.
+The world is drawn from the seed: ``num_entities`` invented places with 4-letter names ("Tiva"), each
+with a ruler, a river and a mayor (and a capital) (invented 5-letter names, unique in the world). Every
+fact is one line of the corpus, ``Tiva ruler: Mokek``; a question is ``ruler of Tiva?``.
 Everything is short and templated so that a character-level model a million parameters big can
 learn, in a few minutes of CPU, the one skill the task tests: copy the entity from the question
 into the query, and the value from the result into the answer. Nothing about a held-out entity
@@ -11,14 +11,16 @@ can be in a model's weights, so without retrieval the accuracy is chance (about 
 
 A worked demonstration (no prose between the tags; the compact template opens ``<think>``)::
 
-    <search>Zorv capital</search><result>Zorv capital: Velmo</result></think> <answer>Velmo</answer>
+    <search>Tiva ruler</search><result>Tiva ruler: Mokek</result></think> <answer>Mokek</answer>
 
 The observation written in it is the gold passage (what a top-1 search returns); the environment
 replays the call through the live tool when it builds SFT data (``envs.replay_demonstrations``).
 ``wrong_fraction`` of the demonstrations are imperfect, ``wrong_kind``: ``"answer"`` (the right
-search, then an invented name that is not in the result — the imperfection the tool demo uses, as
-the arithmetic demo's wrong final answers), ``"search"`` (the query names another entity, so the
-answer copied from its passage is wrong) or ``"mixed"`` (half each).
+search, then an invented name that is not in the result — the imperfection the tool demo uses,
+as the arithmetic demo's wrong final answers), ``"typo"`` (the result's value copied with one
+letter changed, a careless copy), ``"search"``
+(the query names another entity, so the answer copied from its passage is wrong) or ``"mixed"``
+(a third each).
 
 Splits are fixed by a hash of the entity (``split_of``): a held-out entity's questions are all
 held out, so no test fact is ever seen in training. The verifier is exact match of the last
@@ -39,19 +41,24 @@ from ..datasets import Example
 from .base import SPLITS, Task, split_of
 
 # relation -> (question, passage); {e} the entity, {v} the value. The query is "{e} {relation}".
+# The default relations' words have the same length, so a passage in a retrieval-augmented prompt
+# sits at the same distance from the answer whatever the question asks.
 RELATIONS: dict[str, tuple[str, str]] = {
-    "capital": ("capital of {e}?", "{e} capital: {v}"),
     "ruler": ("ruler of {e}?", "{e} ruler: {v}"),
     "river": ("river of {e}?", "{e} river: {v}"),
+    "mayor": ("mayor of {e}?", "{e} mayor: {v}"),
+    "capital": ("capital of {e}?", "{e} capital: {v}"),
 }
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kl", "tr"]
-_VOWELS = ["a", "e", "i", "o", "u"]
-_CODAS = ["", "", "n", "r", "l", "s", "m"]
-ENTITY_LETTERS, VALUE_LETTERS = (4, 5), (4, 6)
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+# fixed shapes: every entity has 4 letters and every value 5, so where a name sits relative to
+# where it is copied to never changes (a copy the tiny model learns in a few hundred steps)
+ENTITY_SHAPE, VALUE_SHAPE = "CVCV", "CVCVC"
+WRONG_KINDS = ("answer", "typo", "search", "mixed")
 
 
 def normalize_answer_text(text: str) -> str:
-    """Case-folded, surrounding spaces and punctuation removed: ``" Velmo. "`` -> ``velmo``."""
+    """Case-folded, surrounding spaces and punctuation removed: ``" Mokek. "`` -> ``mokek``."""
     return text.strip().strip(string.punctuation + " ").casefold()
 
 
@@ -63,14 +70,9 @@ def retrieval_reward_fn(response: str, ground_truth: Any, *, lenient_format: boo
     return reward_dict(True, normalize_answer_text(answer) == normalize_answer_text(str(ground_truth)))
 
 
-def invented_name(rng: random.Random, low: int, high: int) -> str:
-    """A pronounceable invented name of ``low``..``high`` letters, capitalised."""
-    while True:
-        name = ""
-        while len(name) < low:
-            name += rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-        if len(name) <= high:
-            return name.capitalize()
+def invented_name(rng: random.Random, shape: str = VALUE_SHAPE) -> str:
+    """A pronounceable invented name of ``shape`` (C: a consonant, V: a vowel), capitalised."""
+    return "".join(rng.choice(_CONSONANTS if c == "C" else _VOWELS) for c in shape).capitalize()
 
 
 @dataclass
@@ -78,22 +80,22 @@ class RetrievalTask(Task):
     """Invented-entity questions answered from a generated corpus (see the module docstring)."""
 
     num_entities: int = 1000
-    relations: str = "capital,ruler,river"
+    relations: str = "ruler,river,mayor"
     wrong_kind: str = "answer"
     name = "retrieval"
 
     def __post_init__(self):
         if not 0.0 <= self.wrong_fraction <= 1.0:
             raise ValueError(f"wrong_fraction must be within [0, 1], got {self.wrong_fraction}")
-        if self.wrong_kind not in ("search", "answer", "mixed"):
-            raise ValueError(f"retrieval task: wrong_kind must be 'search', 'answer' or 'mixed', "
+        if self.wrong_kind not in WRONG_KINDS:
+            raise ValueError(f"retrieval task: wrong_kind must be one of {', '.join(WRONG_KINDS)}, "
                              f"got {self.wrong_kind!r}")
         self.relation_names = [r.strip() for r in self.relations.split(",") if r.strip()]
         unknown = [r for r in self.relation_names if r not in RELATIONS]
         if unknown or not self.relation_names:
             raise ValueError(f"retrieval task: relations from {', '.join(RELATIONS)}, got {self.relations!r}")
-        if not 10 <= self.num_entities <= 5000:
-            raise ValueError(f"retrieval task: num_entities must be within [10, 5000], got {self.num_entities}")
+        if not 10 <= self.num_entities <= 2000:
+            raise ValueError(f"retrieval task: num_entities must be within [10, 2000], got {self.num_entities}")
         self.reward_fn = retrieval_reward_fn
         self.world = self._world()
 
@@ -103,17 +105,17 @@ class RetrievalTask(Task):
         rng = random.Random(f"{self.name}:world:{self.seed}")
         used: set[str] = {r.capitalize() for r in RELATIONS}
 
-        def fresh(letters: tuple[int, int]) -> str:
+        def fresh(shape: str) -> str:
             while True:
-                name = invented_name(rng, *letters)
+                name = invented_name(rng, shape)
                 if name not in used:
                     used.add(name)
                     return name
 
         world = {}
         for _ in range(self.num_entities):
-            entity = fresh(ENTITY_LETTERS)
-            world[entity] = {r: fresh(VALUE_LETTERS) for r in RELATIONS}
+            entity = fresh(ENTITY_SHAPE)
+            world[entity] = {r: fresh(VALUE_SHAPE) for r in RELATIONS}
         return world
 
     # ---------------------------------------------------------------- the corpus
@@ -158,10 +160,12 @@ class RetrievalTask(Task):
         rng = random.Random(f"{self.name}:{self.seed}:{entity}:{relation}")
         value = self.world[entity][relation]
         wrong = rng.random() < self.wrong_fraction
-        kind = self.wrong_kind if self.wrong_kind != "mixed" else rng.choice(["search", "answer"])
+        kind = self.wrong_kind if self.wrong_kind != "mixed" else rng.choice(["typo", "answer", "search"])
         if wrong and kind == "search":
             other = rng.choice([e for e in rng.sample(list(self.world), 3) if e != entity])
             solution = self.demonstration(entity, relation, self.world[other][relation], other)
+        elif wrong and kind == "typo":
+            solution = self.demonstration(entity, relation, self._typo(value, rng), entity)
         elif wrong:
             solution = self.demonstration(entity, relation, self._wrong_value(value, rng), entity)
         else:
@@ -176,9 +180,18 @@ class RetrievalTask(Task):
     def _wrong_value(value: str, rng: random.Random) -> str:
         """An invented name that is not ``value`` (drawn afresh: not copied from anywhere)."""
         while True:
-            name = invented_name(rng, *VALUE_LETTERS)
+            name = invented_name(rng, VALUE_SHAPE)
             if name != value:
                 return name
+
+    @staticmethod
+    def _typo(value: str, rng: random.Random) -> str:
+        """``value`` with one letter changed (a consonant for a consonant, a vowel for a vowel, the
+        case kept): a careless copy, the same shape as the right one."""
+        i = rng.randrange(len(value))
+        letters = _VOWELS if value[i].lower() in _VOWELS else _CONSONANTS
+        new = rng.choice([c for c in letters if c != value[i].lower()])
+        return value[:i] + (new.upper() if value[i].isupper() else new) + value[i + 1:]
 
     def wrong_solution(self, example: Example, rng: random.Random) -> str:
         """The right search, then a wrong answer (for preference pairs)."""
