@@ -19,13 +19,12 @@ the same timeout, and a warning says what is lost.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..rewards.isolation import child_sys_path
-from ..rewards.registry import reward_spec
+from ..rewards.registry import import_callable, reward_spec
 from ..rewards.supervisor import RewardWorker, WorkerPool, WorkerStartError, take_idle
 from .base import ToolOutput
 
@@ -34,17 +33,7 @@ ToolFn = Callable[[str], str]
 
 def resolve_tool(spec: str) -> ToolFn:
     """The function named by ``"package.module:function"``; one-line ``ValueError`` otherwise."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"custom tool {spec!r}: expected 'package.module:function'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"custom tool {spec!r}: cannot import module {module_name!r} ({exc})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"custom tool {spec!r}: module {module_name!r} has no function {attr!r}")
-    return fn
+    return import_callable(spec, "custom tool")
 
 
 class ToolWorker(RewardWorker):

@@ -38,14 +38,22 @@ def get_reward_fn(spec: str | RewardFn) -> RewardFn:
         raise ValueError(
             f"unknown reward {spec!r}: use one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function'"
         )
+    return import_callable(spec, "reward")
+
+
+def import_callable(spec: str, what: str):
+    """The callable named by ``"package.module:function"``; a one-line ``ValueError`` naming
+    ``what`` (a reward, a custom tool) and the spec otherwise."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{what} {spec!r}: expected 'package.module:function'")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from None
+        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no function {attr!r}")
     return fn
 
 

@@ -100,6 +100,7 @@ class VLLMRolloutBackend:
 
         self.model, self.tokenizer, self.generator = model, tokenizer, generator
         self.sleep_mode, self._asleep = enable_sleep_mode, False
+        self._stop_ids: dict[tuple[str, ...], dict[int, str]] = {}
         self._dir = _engine_dir(model, tokenizer)
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
         # vLLM seeds python/numpy/torch globally and draws dummy weights: the trainer's streams must not move
@@ -160,12 +161,13 @@ class VLLMRolloutBackend:
         return model_end_ids(self.model, self.tokenizer)
 
     def _single_token_stops(self, stops: Sequence[str]) -> dict[int, str]:
-        ids = {}
-        for s in stops:
-            encoded = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-            if len(encoded) == 1:
-                ids[encoded[0]] = s
-        return ids
+        """{token id: stop string} of the stop strings that are one token, once per stop list (every
+        turn of a multi-turn rollout asks again)."""
+        key = tuple(stops)
+        if key not in self._stop_ids:
+            encoded = {s: self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stops}
+            self._stop_ids[key] = {ids[0]: s for s, ids in encoded.items() if len(ids) == 1}
+        return self._stop_ids[key]
 
     def _base_seed(self, sampling: SamplingParams) -> int:
         if sampling.seed is not None:
