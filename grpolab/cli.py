@@ -203,17 +203,9 @@ def eval_cmd(
 
 def _env_backend(sampler, path: Path, tokenizer):
     """``sampler`` wrapped in the tool environment described by the YAML file ``path``."""
-    import yaml
+    from .envs import EnvBackend, build_env, load_env_file
 
-    from .envs import EnvBackend, build_env, env_option_names
-
-    if not path.is_file():
-        raise ValueError(f"{path}: no such environment file")
-    options = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    unknown = sorted(set(options) - set(env_option_names())) if isinstance(options, dict) else ["(not a mapping)"]
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(env_option_names())}")
-    return EnvBackend(sampler, build_env(**options, tokenizer=tokenizer))
+    return EnvBackend(sampler, build_env(**load_env_file(path), tokenizer=tokenizer))
 
 
 @app.command()
@@ -228,6 +220,7 @@ def compare(
     variants: Optional[str] = typer.Option(None, "--variants", help="GRPO variants side by side, e.g. grpo,dr_grpo,dapo,gspo,cispo,rloo."),
     seeds: int = typer.Option(3, "--seeds", help="With --variants: seeds (warm starts) per variant."),
     backend: str = typer.Option("hf", "--backend", help="Sampler for the held-out evaluations: hf or vllm."),
+    env: Optional[Path] = typer.Option(None, "--env", help="A YAML of tool-environment keys: evaluations sample through it, GRPO trains with it."),
 ) -> None:
     """MLE vs PPO vs GRPO (and optionally expert iteration) from one warm start, equal sample budgets;
     or, with --variants, GRPO variants over several seeds."""
@@ -238,15 +231,19 @@ def compare(
 
             if seeds < 1:
                 raise ValueError(f"--seeds must be at least 1, got {seeds}")
+            if env is not None:
+                raise ValueError("--env applies to the method comparison (MLE/PPO/GRPO), not to --variants")
             run_variants(run_dir, parse_variants(variants), seeds=seeds, steps=steps or 40,
                          warm_steps=warm_steps or 200, test_examples=test_examples)
             return
         from .compare import run_compare
+        from .envs import load_env_file
 
         if backend not in ("hf", "vllm"):
             raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
+        env_options = load_env_file(env) if env is not None else None  # checked before any training
         run_compare(run_dir, seed=seed, steps=steps or 100, k=k, test_examples=test_examples, include_ei=ei,
-                    warm_steps=warm_steps, backend=backend)
+                    warm_steps=warm_steps, backend=backend, env=env_options)
     except _user_errors() as exc:
         _fail(str(exc))
 

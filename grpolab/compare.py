@@ -8,6 +8,11 @@ warm start with the same sample budget, evaluated on the same held-out questions
    reference (correct) solutions, consistency, diversity, answer accuracy (pass@1), format rate;
 4. ``report.md`` (the table), ``report.json`` (the same as data) and ``report.png`` (validation
    accuracy against samples consumed) go to the run directory.
+
+With ``env`` (``grpolab compare --env FILE``: the keys of a config's ``env:``, e.g. the calculator),
+every held-out evaluation samples through the tool environment (multi-turn, the share of answers
+that called a tool reported per method) and GRPO trains with it; MLE, PPO and expert iteration
+train as without it (only GRPO takes an environment).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .algorithms.ppo import PPOConfig, train_ppo
 from .algorithms.sft import SFTConfig, train_sft
 from .core import sum_response_log_probs
 from .data import get_task, load_template
+from .envs import EnvBackend, build_env
 from .eval.report import evaluate_model
 from .models import load_model_and_tokenizer
 from .presets import (
@@ -81,7 +87,7 @@ def _plot(curves: dict[str, list[tuple[int, float]]], out: Path) -> None:
     plt.close(fig)
 
 
-def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool) -> dict:
+def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool, env: dict | None = None) -> dict:
     """Each method's (config, trainer, metrics step key, samples per step) for a budget of
     ``steps`` x 128 samples: MLE reads that many demonstrations, the RL methods draw that many
     responses."""
@@ -96,7 +102,8 @@ def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool) -
                              "sampling_max_tokens": max_tokens, "eval_every": eval_every}),
                 train_ppo, "ppo_step", ROLLOUTS_PER_STEP),
         "GRPO": (GRPOConfig(**{**DEMO_GRPO, **common, **COMPARE_GRPO, "run_dir": str(run_dir / "grpo"),
-                               "n_grpo_steps": steps, "eval_every": eval_every}), train_grpo, "grpo_step", ROLLOUTS_PER_STEP),
+                               "n_grpo_steps": steps, "eval_every": eval_every, "env": env}), train_grpo, "grpo_step",
+                 ROLLOUTS_PER_STEP),
     }
     if include_ei:
         ei_batch = budget // COMPARE_EI["n_ei_steps"] // COMPARE_EI["group_size"]
@@ -108,7 +115,7 @@ def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool) -
 
 def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test_examples: int = 200,
                 include_ei: bool = False, warm_steps: int | None = None, show_progress: bool = True,
-                backend: str = "hf") -> dict:
+                backend: str = "hf", env: dict | None = None) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = steps * ROLLOUTS_PER_STEP
@@ -137,6 +144,8 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
     def score(model, wall_s: float) -> dict:
         if "eval" not in samplers:
             samplers["eval"] = make_backend(backend, model, tok, seed=seed)
+            if env is not None:  # multi-turn: the tools run around the same sampler
+                samplers["eval"] = EnvBackend(samplers["eval"], build_env(**env, tokenizer=tok))
         sampler = samplers["eval"]
         sampler.sync_weights(model)
         metrics, _ = evaluate_model(model, tok, sampler, test, template, task.reward_fn,
@@ -147,11 +156,14 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
             "distinct_answers_per_question": metrics["distinct_answers_per_question"],
             "accuracy": metrics["accuracy"], f"maj@{k}": metrics[f"maj@{k}"], f"pass@{k}": metrics[f"pass@{k}"],
             "format_rate": metrics["format_rate"], "mean_length": metrics["mean_length"], "wall_s": round(wall_s, 1),
+            **({"tool_call_rate": metrics["tool_call_rate"], "mean_tool_calls": metrics["mean_tool_calls"]}
+               if env is not None else {}),
         }
 
     rows = {"SFT warm start": score(base, warm_s)}
     curves: dict[str, list[tuple[int, float]]] = {}
-    for name, (cfg, train, step_key, samples_per_step) in compare_methods(run_dir, steps, common, include_ei).items():
+    methods = compare_methods(run_dir, steps, common, include_ei, env)
+    for name, (cfg, train, step_key, samples_per_step) in methods.items():
         print(f"[{name}] {budget} samples")
         t = time.perf_counter()
         model = copy.deepcopy(base)
@@ -163,7 +175,7 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
     for sampler in samplers.values():
         sampler.close()
     report = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "sample_budget": budget, "k": k,
-              "test_questions": len(test), "methods": rows, "curves": curves}
+              "test_questions": len(test), "env": env, "methods": rows, "curves": curves}
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2))
     atomic_write_text(run_dir / "report.md", format_report(report))
     _plot(curves, run_dir / "report.png")
@@ -174,9 +186,10 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
 
 
 def format_report(report: dict) -> str:
-    k = report["k"]
+    k, tools = report["k"], report.get("env") is not None
     head = ("| method | ref. solution perplexity ↓ | consistency | distinct-1 | distinct-2 | distinct answers / question "
-            f"| answer accuracy | maj@{k} | format rate | wall time (s) |")
+            f"| answer accuracy | maj@{k} | format rate |" + (" answers calling a tool |" if tools else "")
+            + " wall time (s) |")
     lines = [
         f"# grpolab compare — {report['task']}, seed {report['seed']}",
         "",
@@ -184,11 +197,13 @@ def format_report(report: dict) -> str:
         f"same budget of {report['sample_budget']} samples per method, {report['test_questions']} held-out questions "
         f"x {k} samples at temperature 1.",
         "",
-        head,
-        "|" + "---|" * 10,
     ]
+    if tools:
+        lines += [f"Tool environment {report['env']}: every evaluation samples through it; GRPO trains with it.", ""]
+    lines += [head, "|" + "---|" * (11 if tools else 10)]
     for name, r in report["methods"].items():
+        tool_cell = f" {r['tool_call_rate']:.1%} |" if tools else ""
         lines.append(f"| {name} | {r['reference_perplexity']:.3f} | {r['consistency']:.3f} | {r['distinct_1']:.4f} | "
                      f"{r['distinct_2']:.4f} | {r['distinct_answers_per_question']:.2f} | {r['accuracy']:.1%} | "
-                     f"{r[f'maj@{k}']:.1%} | {r['format_rate']:.1%} | {r['wall_s']:.0f} |")
+                     f"{r[f'maj@{k}']:.1%} | {r['format_rate']:.1%} |{tool_cell} {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"

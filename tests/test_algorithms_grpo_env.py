@@ -108,3 +108,26 @@ def test_eval_with_an_env_file_reports_tool_use_and_bad_files_are_one_line_error
     bad = Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:arithmetic", "--n", "2", "--out", out,
                        "--env", env), tmp_path, "bad").wait()
     assert bad.returncode == 2 and "unknown key(s) max_turnz" in bad.stderr and "Traceback" not in bad.stderr
+    assert str(env) in bad.stderr
+    # compare checks the file before its warm start: nothing is trained, nothing written
+    bad = Proc(grpolab("compare", "--run-dir", tmp_path / "cmp", "--steps", "1", "--env", env), tmp_path, "cmp").wait()
+    assert bad.returncode == 2 and "unknown key(s) max_turnz" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_with_an_env_evaluates_every_method_through_the_tools_and_grpo_trains_with_them(tmp_path):
+    from grpolab.compare import run_compare
+
+    env = {"tools": ["calculate"], "max_turns": 2, "max_total_tokens": 40}
+    report = run_compare(tmp_path / "cmp", seed=0, steps=1, k=2, test_examples=4, warm_steps=3, show_progress=False,
+                         env=env)
+    assert report["env"] == env
+    for name, row in report["methods"].items():  # tool figures exist only for multi-turn (environment) rollouts
+        assert 0.0 <= row["tool_call_rate"] <= 1.0 and row["mean_tool_calls"] >= row["tool_call_rate"], name
+    grpo_steps = [json.loads(line) for line in open(tmp_path / "cmp" / "grpo" / "metrics.jsonl")
+                  if '"train/reward"' in line]
+    assert grpo_steps and all("tools/call_rate" in r for r in grpo_steps)
+    ppo_steps = [json.loads(line) for line in open(tmp_path / "cmp" / "ppo" / "metrics.jsonl")]
+    assert not any("tools/call_rate" in r for r in ppo_steps)  # only GRPO takes an environment
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "answers calling a tool" in md and "GRPO trains with it" in md

@@ -33,7 +33,7 @@ from ..core import (
     policy_loss_names,
     whiten,
 )
-from ..envs import EnvBackend, build_env, env_option_names, tool_metrics
+from ..envs import EnvBackend, build_env, check_env_options, tool_metrics
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from .batching import (
@@ -124,10 +124,7 @@ class GRPOConfig(PolicyUpdateConfig):
     @classmethod
     def _env_keys(cls, value):
         """Unknown environment keys are a config error here, not a TypeError deep in the run."""
-        unknown = sorted(set(value or {}) - set(env_option_names()))
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; expected some of {', '.join(env_option_names())}")
-        return value
+        return None if value is None else check_env_options(value)
 
     @model_validator(mode="after")
     def _check(self):

@@ -15,6 +15,7 @@ Layer: imports core, data, rewards, rollout and models only (never algorithms or
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .base import Tool, ToolCall, ToolEnv, ToolOutput
@@ -70,10 +71,36 @@ def env_option_names() -> list[str]:
     return names + [f for f in fields if f != "tools" and f not in names]
 
 
+def check_env_options(options: Any) -> dict[str, Any]:
+    """``options`` if it is a mapping of ``build_env`` keys; else a one-line ValueError naming the
+    unknown keys (a config's ``env:``, an ``--env`` file)."""
+    if not isinstance(options, dict):
+        raise ValueError(f"expected a mapping of environment keys, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(env_option_names()))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; expected some of {', '.join(env_option_names())}")
+    return options
+
+
+def load_env_file(path: str | Path) -> dict[str, Any]:
+    """The environment keys in the YAML file ``path`` (``grpolab eval/compare --env``), checked;
+    errors name the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such environment file")
+    try:
+        return check_env_options(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None
+
+
 __all__ = [
     "BM25Index", "BM25Settings", "Calculator", "CalculatorError", "CorpusError", "CustomTool", "Demonstration",
     "EnvBackend", "RetrievalAugmentedTemplate", "SearchTool", "Tool", "ToolCall", "ToolEnv", "ToolOutput",
-    "apply_call_cost", "build_env", "env_option_names", "fill_template", "load_corpus", "loss_mask_tensor", "open_index",
+    "apply_call_cost", "build_env", "check_env_options", "env_option_names", "fill_template", "load_corpus",
+    "load_env_file", "loss_mask_tensor", "open_index",
     "replay_demonstrations", "resolve_tool", "retrieval_augmented_prompts", "rollouts", "split_demonstration",
     "tool_metrics", "truncate",
 ]
