@@ -6,6 +6,7 @@ Every training command takes ``--config FILE.yaml`` and any config field as ``--
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,9 @@ def _quiet_hf() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # save_pretrained imports DeepSpeed where it is installed (accelerate's unwrap), which warns on
+    # every CPU machine that it found no GPU; its own warnings (a deepspeed run) stay
+    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
 
 
 def _fail(message: str) -> None:

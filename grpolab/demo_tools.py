@@ -19,14 +19,12 @@ from the question into the query, the value from the result into the answer.
 3. evaluate on held-out entities three ways: no retrieval (the question alone), a
    retrieval-augmented prompt (the top passage for the question in ``{context}``), and tool use
    (multi-turn); every figure samples at temperature 1 with a fixed seed;
-4. GRPO with the live tool (Dr. GRPO settings as the arithmetic demo: no std normalisation, a
-   constant length normaliser), observation tokens masked out of the loss;
+4. GRPO with the live tool: ``train_grpo`` with ``env`` set (``TOOLS_GRPO``: Dr. GRPO settings
+   as the arithmetic demo — no std normalisation, a constant length normaliser), observation
+   tokens masked out of the loss; its metrics (tool calls, turns, observation vs model tokens)
+   and checkpoints are in ``grpo/``;
 5. evaluate again; print the table and the share of answers that called the tool; write
    ``summary.json`` and ``final/``.
-
-The GRPO phase samples through ``envs.rollouts`` and trains with ``core`` functions directly,
-because ``algorithms.grpo.train_grpo`` does not take an environment yet; once it does, phase 4 is
-``train_grpo`` with ``cfg.env`` and ``_grpo_with_tools`` goes away.
 """
 
 from __future__ import annotations
@@ -40,12 +38,12 @@ from pathlib import Path
 import torch
 
 from .algorithms.checkpoints import atomic_write_text, save_final
+from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.metrics import read_metrics
 from .algorithms.optimization import make_optimizer, make_scheduler
 from .core import (
     build_sequences,
-    compute_advantages,
     get_response_log_probs,
-    grpo_microbatch_train_step,
     pad_token_id,
     sft_microbatch_train_step,
 )
@@ -58,7 +56,6 @@ from .envs import (
     replay_demonstrations,
     tool_metrics,
 )
-from .envs import rollouts as env_rollouts
 from .eval import evaluate
 from .models import load_model_and_tokenizer
 from .rewards import RewardScorer
@@ -68,7 +65,12 @@ TOOLS_TASK_OPTIONS = {"num_entities": 1000, "relations": "ruler,river,mayor", "w
                       "wrong_kind": "answer"}
 TOOLS_ENV = dict(top_k=1, max_chars=100, max_turns=2, max_total_tokens=96)
 TOOLS_SFT = dict(steps=500, batch_size=32, learning_rate=3e-3, warmup_steps=15, train_examples=2000, rag_examples=500)
-TOOLS_GRPO = dict(steps=60, prompts_per_step=8, group_size=8, learning_rate=2e-4, max_tokens=40, micro_batch_rows=32)
+# GRPO with the live tool: 8 questions x 8 answers per step, one on-policy optimizer step
+TOOLS_GRPO = dict(n_grpo_steps=60, rollout_batch_size=64, group_size=8, train_batch_size=64,
+                  gradient_accumulation_steps=2, learning_rate=2e-4, warmup_steps=0, loss_type="reinforce_with_baseline",
+                  use_std_normalization=False, length_normalization="masked_normalize", sampling_temperature=1.0,
+                  sampling_min_tokens=1, sampling_max_tokens=40, prompt_template="compact", eval_examples=50,
+                  log_generations_samples=0)
 TOOLS_TEST_EXAMPLES = 200
 # the retrieval-augmented prompt: the passage right before the answer is opened, a short copy
 # distance (the builtin rag_compact puts it before the question)
@@ -113,49 +115,6 @@ def sft_on_demonstrations(model, tokenizer, demos, steps, batch_size, learning_r
     return nll
 
 
-def _grpo_update(model, out, rewards, group_size, max_tokens, micro_rows, pad_id) -> int:
-    """One on-policy policy-gradient step (Dr. GRPO) over the rows whose advantage is not zero,
-    observation tokens masked out of the loss; returns the rows trained."""
-    advantages = compute_advantages("grpo", rewards, group_size, advantage_eps=1e-6, use_std_normalization=False)
-    rows = (advantages != 0).nonzero().flatten().tolist()
-    if not rows:
-        return 0
-    model.train()
-    for start in range(0, len(rows), micro_rows):
-        chunk = [out[i] for i in rows[start : start + micro_rows]]
-        batch, mask = _masked_batch([r.prompt_ids for r in chunk], [r.response_ids for r in chunk],
-                                    [r.loss_mask for r in chunk], pad_id)
-        lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
-        adv = advantages[rows[start : start + micro_rows]].unsqueeze(1)
-        grpo_microbatch_train_step(lp, mask, 1, "reinforce_with_baseline", advantages=adv,
-                                   length_normalization="masked_normalize", normalize_constant=float(max_tokens),
-                                   global_batch_size=len(out))
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    return len(rows)
-
-
-def _grpo_with_tools(model, tokenizer, env, train, scorer, sampling, cfg, seed, log) -> list[dict]:
-    """GRPO with the live tool: sample groups through ``envs.rollouts``, score, update."""
-    optimizer = make_optimizer(model, cfg["learning_rate"])
-    backend = make_backend("hf", model, tokenizer, generator=torch.Generator().manual_seed(seed + 1))
-    template, rng, pad_id, history = load_template("compact"), random.Random(seed + 2), pad_token_id(tokenizer), []
-    for step in range(cfg["steps"]):
-        examples = [train[rng.randrange(len(train))] for _ in range(cfg["prompts_per_step"])]
-        out = env_rollouts(backend, env, [template.format(e.question) for e in examples], cfg["group_size"], sampling)
-        scores = scorer.score([r.response for r in out], [examples[r.prompt_index].answer for r in out])
-        rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
-        trained = _grpo_update(model, out, rewards, cfg["group_size"], cfg["max_tokens"], cfg["micro_batch_rows"],
-                               pad_id)
-        if trained:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        record = {"step": step, "reward": float(rewards.mean()), "rows_trained": trained, **tool_metrics(out)}
-        history.append(record)
-        if step % 10 == 0 or step + 1 == cfg["steps"]:
-            log(f"  GRPO step {step}: reward {record['reward']:.3f}, called the tool {record['tools/call_rate']:.0%}")
-    return history
-
-
 def evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed) -> dict[str, dict]:
     """Held-out accuracy without retrieval, with a retrieval-augmented prompt, and with the tool;
     the tool row also has the share of answers that called it."""
@@ -185,21 +144,24 @@ def _table(before: dict, after: dict) -> str:
 
 def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = None, grpo_steps: int | None = None,
                    test_examples: int | None = None, train_examples: int | None = None, size: str = "tiny",
-                   log=print) -> dict:
+                   log=print, show_progress: bool = True) -> dict:
     """The whole demo (module docstring); returns the summary written to ``summary.json``."""
     run_dir, start, timings = Path(run_dir), time.perf_counter(), {}
     run_dir.mkdir(parents=True, exist_ok=True)
     task = get_task("retrieval", seed=seed, **TOOLS_TASK_OPTIONS)
     corpus = task.write_corpus(run_dir / "corpus.jsonl")
-    env = build_env(["search"], corpus=str(corpus), cache_dir=str(run_dir / "bm25"),
-                    **TOOLS_ENV)
+    env_options = dict(tools=["search"], corpus=str(corpus), cache_dir=str(run_dir / "bm25"), **TOOLS_ENV)
+    env = build_env(**env_options)
     model, tokenizer = load_model_and_tokenizer(f"embedded:{size}", seed=seed)
     train = task.examples("train", train_examples or TOOLS_SFT["train_examples"])
     test = task.examples("test", test_examples or TOOLS_TEST_EXAMPLES)
     demos = sft_demonstrations(env, tokenizer, train, TOOLS_SFT["rag_examples"])
     sft = {**TOOLS_SFT, "steps": sft_steps or TOOLS_SFT["steps"]}
-    grpo = {**TOOLS_GRPO, "steps": grpo_steps or TOOLS_GRPO["steps"]}
-    sampling = SamplingParams(temperature=1.0, max_tokens=grpo["max_tokens"], min_tokens=1, stop=["</answer>"])
+    grpo = {**TOOLS_GRPO, "n_grpo_steps": grpo_steps or TOOLS_GRPO["n_grpo_steps"]}
+    grpo_cfg = GRPOConfig(**grpo, task="retrieval", task_options=TOOLS_TASK_OPTIONS, task_train_size=len(train),
+                          env=env_options, seed=seed, device="cpu", show_progress=show_progress,
+                          run_dir=str(run_dir / "grpo"))
+    sampling = SamplingParams(temperature=1.0, max_tokens=grpo["sampling_max_tokens"], min_tokens=1, stop=["</answer>"])
 
     log(f"[1/4] SFT on {TOOLS_TASK_OPTIONS['wrong_fraction']:.0%}-imperfect tool-using demonstrations "
         f"({sft['steps']} steps)")
@@ -213,11 +175,14 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
         t = time.perf_counter()
         before = evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed + 12345)
         timings["eval_before_s"] = time.perf_counter() - t
-        log(f"[3/4] GRPO with the live search tool ({grpo['steps']} steps of "
-            f"{grpo['prompts_per_step']} x {grpo['group_size']} rollouts)")
+        log(f"[3/4] GRPO with the live search tool ({grpo_cfg.n_grpo_steps} steps of "
+            f"{grpo_cfg.rollout_batch_size // grpo_cfg.group_size} x {grpo_cfg.group_size} rollouts)")
         t = time.perf_counter()
-        history = _grpo_with_tools(model, tokenizer, env, train, scorer, sampling, grpo, seed, log)
+        result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
         timings["grpo_s"] = time.perf_counter() - t
+        history = [{"step": r["grpo_step"], "reward": r["train/reward"], "call_rate": r["tools/call_rate"],
+                    "model_tokens": r["tools/model_tokens"], "observation_tokens": r["tools/observation_tokens"]}
+                   for r in read_metrics(result.metrics_path) if "train/reward" in r]
         log("[4/4] evaluating the GRPO model on the same questions")
         t = time.perf_counter()
         after = evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed + 12345)
@@ -228,7 +193,7 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
                "after": after, "grpo_history": history,
                "tool_accuracy_gain_points": round(100 * (after["tools"]["accuracy"] - before["tools"]["accuracy"]), 1),
                "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
-               "paths": {"corpus": str(corpus), "sft_final": str(sft_final),
+               "paths": {"corpus": str(corpus), "sft_final": str(sft_final), "grpo_metrics": str(result.metrics_path),
                          "final": str(save_final(model, tokenizer, run_dir / "final"))}}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     log("\n" + _table(before, after))

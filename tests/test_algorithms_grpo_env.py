@@ -10,7 +10,6 @@ import torch
 from grpolab.algorithms.batching import make_rollout_batch
 from grpolab.algorithms.gradients import accumulate_policy_gradient
 from grpolab.algorithms.grpo import train_grpo
-from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import Rollout
 
 CPU = torch.device("cpu")

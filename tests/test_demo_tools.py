@@ -20,7 +20,7 @@ def _recompute(model_dir, summary, run_dir):
     task = get_task("retrieval", seed=summary["seed"], **summary["task_options"])
     env = build_env(["search"], corpus=summary["paths"]["corpus"], cache_dir=str(run_dir / "bm25"), **TOOLS_ENV)
     test = task.examples("test", summary["test_examples"])
-    sampling = SamplingParams(temperature=1.0, max_tokens=summary["grpo"]["max_tokens"], min_tokens=1,
+    sampling = SamplingParams(temperature=1.0, max_tokens=summary["grpo"]["sampling_max_tokens"], min_tokens=1,
                               stop=["</answer>"])
     with RewardScorer(task.reward_fn, timeout_s=10.0) as scorer:
         return evaluate_modes(model, tok, env, test, scorer, sampling, summary["seed"] + 12345)
@@ -29,7 +29,7 @@ def _recompute(model_dir, summary, run_dir):
 def test_tools_demo_runs_end_to_end_and_reports_the_saved_models(tmp_path):
     lines = []
     summary = run_tools_demo(tmp_path / "demo", seed=0, sft_steps=4, grpo_steps=2, test_examples=6,
-                             train_examples=64, log=lines.append)
+                             train_examples=64, log=lines.append, show_progress=False)
     written = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     for phase, model_dir in (("before", written["paths"]["sft_final"]), ("after", written["paths"]["final"])):
@@ -40,7 +40,7 @@ def test_tools_demo_runs_end_to_end_and_reports_the_saved_models(tmp_path):
         assert written[phase]["tools"]["tools/model_tokens"] == pytest.approx(again["tools"]["tools/model_tokens"])
     assert written["tool_accuracy_gain_points"] == pytest.approx(
         round(100 * (written["after"]["tools"]["accuracy"] - written["before"]["tools"]["accuracy"]), 1))
-    assert written["test_examples"] == 6 and written["sft"]["steps"] == 4 and written["grpo"]["steps"] == 2
+    assert written["test_examples"] == 6 and written["sft"]["steps"] == 4 and written["grpo"]["n_grpo_steps"] == 2
     assert len(written["grpo_history"]) == 2
     assert {"sft_s", "eval_before_s", "grpo_s", "eval_after_s", "total_s"} <= set(written["wall_seconds"])
     table = "\n".join(lines)
