@@ -174,6 +174,8 @@ def eval_cmd(
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds a reward may take per response."),
     backend: str = typer.Option("hf", "--backend", help="Sampler: hf (the model itself) or vllm (a vLLM engine)."),
     env: Optional[Path] = typer.Option(None, "--env", help="A YAML of tool-environment keys (as a config's env:): multi-turn tool use."),
+    rag_corpus: Optional[str] = typer.Option(None, "--rag-corpus", help="Retrieval-augmented prompts: the corpus (JSONL or .txt directory) whose top passages fill the template's {context}."),
+    rag_top_k: int = typer.Option(1, "--rag-top-k", help="Passages per question with --rag-corpus."),
 ) -> None:
     """Evaluate a model: accuracy, format rate, pass@k, maj@k, consistency, diversity, perplexity."""
     _quiet_hf()
@@ -188,7 +190,9 @@ def eval_cmd(
         if backend not in ("hf", "vllm"):
             raise ValueError(f"--backend must be hf or vllm, got {backend!r}")
         check_writable(out)  # before any sampling: an unwritable --out must not cost the run
-        examples, template, reward_fn = task_or_file(data, n, seed=seed, prompt_template=prompt_template, reward=reward)
+        retrieval = {"corpus": rag_corpus, "top_k": rag_top_k} if rag_corpus is not None else None
+        examples, template, reward_fn = task_or_file(data, n, seed=seed, prompt_template=prompt_template, reward=reward,
+                                                     retrieval=retrieval)
         lm, tok = load_model_and_tokenizer(model)
         corpus_ids = corpus_token_ids(corpus, tok) if corpus else None
         sampler = make_backend(backend, lm, tok, seed=seed)

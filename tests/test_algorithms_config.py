@@ -216,3 +216,11 @@ def test_rollout_backend_vllm_is_grpo_only_and_turns_the_is_correction_on():
     assert GRPOConfig().backend_options() == {}
     with pytest.raises(ConfigError, match="rollout_backend 'vllm' is supported by grpo and grpolab eval; ppo"):
         PPOConfig.build(overrides={"rollout_backend": "vllm"})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_file_is_valid(path):
+    from grpolab.cli import _trainers
+
+    config_class = _trainers()[path.name.split("_")[0]][0]  # grpo_*.yaml -> GRPOConfig, ...
+    assert config_class.build(path).command == path.name.split("_")[0]

@@ -130,3 +130,57 @@ def test_compare_with_an_env_evaluates_every_method_through_the_tools_and_grpo_t
     assert not any("tools/call_rate" in r for r in ppo_steps)  # only GRPO takes an environment
     md = (tmp_path / "cmp" / "report.md").read_text()
     assert "answers calling a tool" in md and "GRPO trains with it" in md
+
+
+def test_retrieval_augmented_prompts_from_a_config_put_each_questions_fact_in_its_prompt(grpo_config, tmp_path):
+    from grpolab.algorithms.inputs import load_inputs
+    from grpolab.data import get_task
+
+    options = {"num_entities": 60, "relations": "ruler,river"}
+    corpus = get_task("retrieval", seed=0, **options).write_corpus(tmp_path / "corpus.jsonl")
+    cfg = grpo_config(task="retrieval", task_options=options, task_train_size=40, prompt_template="rag_compact",
+                      retrieval={"corpus": str(corpus), "top_k": 1, "cache_dir": str(tmp_path / "bm25")})
+    inputs = load_inputs(cfg)
+    prompts = [inputs.template.format(e.question) for e in inputs.train]
+    assert all("{context}" not in p and e.question in p for p, e in zip(prompts, inputs.train))
+    # the top passage is the question's own fact: its answer is in the prompt (a passage of another
+    # entity or relation would not hold it)
+    assert sum(e.answer in p for p, e in zip(prompts, inputs.train)) >= 0.95 * len(prompts)
+    result = train_grpo(cfg.model_copy(update={"n_grpo_steps": 1}))  # a run validates on such prompts too
+    samples = [json.loads(line) for f in (result.run_dir / "samples").glob("*.jsonl") for line in open(f)]
+    assert samples and all("{context}" not in s["prompt"] and "Context: " in s["prompt"] for s in samples)
+    assert sum(str(s["ground_truth"]) in s["prompt"] for s in samples) >= 0.9 * len(samples)
+
+
+def test_a_context_template_without_retrieval_and_retrieval_without_one_are_one_line_errors(grpo_config, tmp_path):
+    from grpolab.algorithms.config import ConfigError
+    from grpolab.algorithms.grpo import GRPOConfig
+    from grpolab.data import TemplateError
+
+    with pytest.raises(TemplateError, match="rag_compact.*\\{context\\} placeholder.*retrieval: \\{corpus"):
+        train_grpo(grpo_config(prompt_template="rag_compact"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a fact"}\n')
+    with pytest.raises(TemplateError, match="retrieval is set but prompt template 'compact' has no \\{context\\}"):
+        train_grpo(grpo_config(prompt_template="compact", retrieval={"corpus": str(corpus)}))
+    with pytest.raises(ConfigError, match="'retrieval': unknown key\\(s\\) korpus"):
+        GRPOConfig.build(overrides={"retrieval": {"korpus": "x.jsonl"}})
+    with pytest.raises(ConfigError, match="'retrieval': needs a corpus"):
+        GRPOConfig.build(overrides={"retrieval": {"top_k": 2}})
+
+
+def test_eval_with_a_rag_corpus_fills_context_and_without_one_says_so(tmp_path):
+    from grpolab.data import get_task
+    from tests.test_algorithms_run import Proc, grpolab
+
+    corpus = get_task("retrieval", seed=0).write_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "out"
+    Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:retrieval", "--n", "6", "--k", "1",
+                 "--max-tokens", "8", "--prompt-template", "rag_compact", "--rag-corpus", corpus, "--out", out),
+         tmp_path, "eval").ok()
+    generations = [json.loads(line) for line in open(out / "generations.jsonl")]
+    assert len(generations) == 6
+    assert all("Context: " in g["prompt"] and str(g["ground_truth"]) in g["prompt"] for g in generations)
+    bad = Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:retrieval", "--n", "2", "--prompt-template",
+                       "rag_compact", "--out", out), tmp_path, "bad").wait()
+    assert bad.returncode == 2 and "--rag-corpus" in bad.stderr and "Traceback" not in bad.stderr

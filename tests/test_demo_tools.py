@@ -47,3 +47,15 @@ def test_tools_demo_runs_end_to_end_and_reports_the_saved_models(tmp_path):
     for label, _ in MODES:
         assert label in table
     assert "answers that called the tool" in table and "tool-use accuracy gain" in table
+
+
+def test_the_tools_config_file_is_the_demos_grpo_phase():
+    from pathlib import Path
+
+    from grpolab.algorithms.grpo import GRPOConfig
+    from grpolab.demo_tools import TOOLS_GRPO, TOOLS_TASK_OPTIONS
+
+    cfg = GRPOConfig.build(Path(__file__).parents[1] / "configs" / "grpo_tools_tiny.yaml")
+    assert {k: getattr(cfg, k) for k in TOOLS_GRPO} == TOOLS_GRPO
+    assert cfg.task == "retrieval" and cfg.task_options == TOOLS_TASK_OPTIONS
+    assert {k: cfg.env[k] for k in TOOLS_ENV} == TOOLS_ENV and cfg.env["tools"] == ["search"]

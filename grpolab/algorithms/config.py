@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..envs import check_retrieval_options
 
 
 class ConfigError(ValueError):
@@ -108,7 +110,10 @@ class RunConfig(BaseConfig):
     question_field: str = "question"  # plain JSONL field names
     answer_field: str = "answer"
     data_on_error: Literal["raise", "skip"] = "raise"  # skip: malformed lines are skipped and counted
-    prompt_template: str | None = None  # r1_zero | question_only | compact | a file; default: task's, else r1_zero
+    prompt_template: str | None = None  # r1_zero | question_only | compact | rag_compact | a file; default: task's, else r1_zero
+    # retrieval-augmented prompts: a template's {context} gets the top BM25 passages for each question,
+    # e.g. {corpus: corpus.jsonl, top_k: 2, max_chars: 200, cache_dir: runs/bm25, text_field: text}
+    retrieval: dict[str, Any] | None = None
     reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
     # --- optimizer basics (AdamW as in CS336)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -145,6 +150,11 @@ class RunConfig(BaseConfig):
     @property
     def total_steps(self) -> int:
         return int(getattr(self, self.steps_field))
+
+    @field_validator("retrieval")
+    @classmethod
+    def _retrieval_keys(cls, value):
+        return None if value is None else check_retrieval_options(value)
 
     @model_validator(mode="after")
     def _check_data(self):

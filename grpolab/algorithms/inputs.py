@@ -18,8 +18,10 @@ from ..data import (
     load_examples,
     load_preferences,
     load_sft_pairs,
+    TemplateError,
     load_template,
 )
+from ..envs import retrieval_template
 from ..rewards import build_reward
 
 
@@ -39,20 +41,37 @@ def data_options(cfg) -> dict:
             "on_error": cfg.data_on_error}
 
 
-def template_and_reward(task, prompt_template: str | None, reward: Any) -> tuple[Any, Any]:
-    """The prompt template and reward: the ones given, else the embedded task's own, else r1_zero."""
+def prompt_template_for(task, prompt_template: str | None, retrieval: dict | None = None):
+    """The prompt template given, else the embedded task's own, else r1_zero; a template with a
+    ``{context}`` placeholder gets the top passages of the ``retrieval`` corpus for each question
+    (retrieval-augmented prompts) and is refused without one, as ``retrieval`` is without it."""
     template = load_template(prompt_template or (task.default_template if task is not None else "r1_zero"))
+    has_context = "{context}" in template.text
+    if has_context and retrieval is None:
+        raise TemplateError(f"prompt template {template.name!r} has a {{context}} placeholder: retrieval-augmented "
+                            "prompts need a corpus (config: retrieval: {corpus: FILE}; grpolab eval: --rag-corpus FILE)")
+    if retrieval is not None and not has_context:
+        raise TemplateError(f"retrieval is set but prompt template {template.name!r} has no {{context}} placeholder "
+                            "for the passages (e.g. prompt_template: rag_compact)")
+    return retrieval_template(template, retrieval) if has_context else template
+
+
+def template_and_reward(task, prompt_template: str | None, reward: Any, retrieval: dict | None = None) -> tuple[Any, Any]:
+    """The prompt template (``prompt_template_for``) and reward: the one given, else the embedded
+    task's own, else r1_zero."""
+    template = prompt_template_for(task, prompt_template, retrieval)
     if reward is not None:
         return template, build_reward(reward)
     return template, task.reward_fn if task is not None else build_reward("r1_zero")
 
 
 def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
-                 reward: Any = None, task_options: dict | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
+                 reward: Any = None, task_options: dict | None = None, retrieval: dict | None = None,
+                 **data_kw) -> tuple[list[Example], Any, Any]:
     """``task:NAME`` (an embedded task's ``split``) or a data file -> (examples[:n], template, reward)."""
     task = get_task(source[5:], seed=seed, **(task_options or {})) if source.startswith("task:") else None
     examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
-    return (examples, *template_and_reward(task, prompt_template, reward))
+    return (examples, *template_and_reward(task, prompt_template, reward, retrieval))
 
 
 def load_inputs(cfg) -> Inputs:
@@ -65,7 +84,8 @@ def load_inputs(cfg) -> Inputs:
         evals = task.examples("validation", cfg.eval_examples) if task is not None else []
     if not train:
         raise DataError(f"{cfg.train_data or cfg.task}: no training examples")
-    return Inputs(list(train), list(evals)[: cfg.eval_examples], *template_and_reward(task, cfg.prompt_template, cfg.reward))
+    template, reward = template_and_reward(task, cfg.prompt_template, cfg.reward, cfg.retrieval)
+    return Inputs(list(train), list(evals)[: cfg.eval_examples], template, reward)
 
 
 def looks_like_sft_pairs(path: str) -> bool:
@@ -87,7 +107,7 @@ def load_sft_inputs(cfg) -> tuple[list[SFTPair], Inputs]:
     if cfg.train_data is not None and looks_like_sft_pairs(cfg.train_data):
         pairs = list(load_sft_pairs(cfg.train_data))
         evals = list(load_examples(cfg.eval_data, **data_options(cfg)))[: cfg.eval_examples] if cfg.eval_data else []
-        inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward))
+        inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward, cfg.retrieval))
         return pairs, inputs
     inputs = load_inputs(cfg)
     missing = [i for i, e in enumerate(inputs.train) if not e.solution]
@@ -110,7 +130,7 @@ def load_preference_inputs(cfg) -> tuple[list[PreferencePair], list[PreferencePa
     held-out file or a seeded 10 % split."""
     if cfg.task is not None:
         task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
-        template = load_template(cfg.prompt_template or task.default_template)
+        template = prompt_template_for(task, cfg.prompt_template, cfg.retrieval)
         train = task_preference_pairs(cfg.task, "train", cfg.task_train_size, cfg.seed, cfg.task_options, template)
         held = task_preference_pairs(cfg.task, "validation", cfg.eval_pairs, cfg.seed, cfg.task_options, template)
         return train, held

@@ -50,8 +50,8 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
         elif spec == "search":
             if corpus is None:
                 raise ValueError("the search tool needs a corpus (a JSONL file or a directory of .txt files)")
-            index = open_index(corpus, text_field, cache_dir)
-            built.append(SearchTool(index, top_k, max_chars, max_tokens, tokenizer))
+            built.append(build_retriever(corpus, text_field=text_field, cache_dir=cache_dir, top_k=top_k,
+                                         max_chars=max_chars, max_tokens=max_tokens, tokenizer=tokenizer))
         elif spec == "calculate":
             built.append(Calculator())
         elif ":" in spec:
@@ -59,6 +59,36 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
         else:
             raise ValueError(f"unknown tool {spec!r}: expected 'search', 'calculate' or 'package.module:function'")
     return ToolEnv({t.name: t for t in built}, **env_options)
+
+
+def build_retriever(corpus: str, *, text_field: str = "text", cache_dir: str | None = None, top_k: int = 1,
+                    max_chars: int | None = 200, max_tokens: int | None = None, tokenizer=None) -> SearchTool:
+    """BM25 over ``corpus`` (built once, cached in ``cache_dir``): the search tool, and the
+    retriever of retrieval-augmented prompts."""
+    return SearchTool(open_index(corpus, text_field, cache_dir), top_k, max_chars, max_tokens, tokenizer)
+
+
+# a config's ``retrieval:`` (retrieval-augmented prompts): build_retriever's keys, ``corpus`` required
+RETRIEVAL_KEYS = ("corpus", "text_field", "cache_dir", "top_k", "max_chars")
+
+
+def check_retrieval_options(options: Any) -> dict[str, Any]:
+    """``options`` if it is a mapping of ``RETRIEVAL_KEYS`` with a ``corpus``; else a one-line ValueError."""
+    if not isinstance(options, dict):
+        raise ValueError(f"expected a mapping of retrieval keys, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(RETRIEVAL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; expected some of {', '.join(RETRIEVAL_KEYS)}")
+    if not options.get("corpus"):
+        raise ValueError("needs a corpus (a JSONL file or a directory of .txt files)")
+    return options
+
+
+def retrieval_template(template, options: dict[str, Any]) -> RetrievalAugmentedTemplate:
+    """``template`` (with ``{context}``) filled, per question, with the top passages a BM25
+    retriever built from ``options`` (``RETRIEVAL_KEYS``) finds for it."""
+    options = check_retrieval_options(options)
+    return RetrievalAugmentedTemplate(template, build_retriever(**options))
 
 
 def env_option_names() -> list[str]:
@@ -97,10 +127,10 @@ def load_env_file(path: str | Path) -> dict[str, Any]:
 
 
 __all__ = [
-    "BM25Index", "BM25Settings", "Calculator", "CalculatorError", "CorpusError", "CustomTool", "Demonstration",
+    "RETRIEVAL_KEYS", "BM25Index", "BM25Settings", "Calculator", "CalculatorError", "CorpusError", "CustomTool", "Demonstration",
     "EnvBackend", "RetrievalAugmentedTemplate", "SearchTool", "Tool", "ToolCall", "ToolEnv", "ToolOutput",
-    "apply_call_cost", "build_env", "check_env_options", "env_option_names", "fill_template", "load_corpus",
+    "apply_call_cost", "build_env", "build_retriever", "check_env_options", "check_retrieval_options", "env_option_names", "fill_template", "load_corpus",
     "load_env_file", "loss_mask_tensor", "open_index",
-    "replay_demonstrations", "resolve_tool", "retrieval_augmented_prompts", "rollouts", "split_demonstration",
+    "replay_demonstrations", "resolve_tool", "retrieval_augmented_prompts", "retrieval_template", "rollouts", "split_demonstration",
     "tool_metrics", "truncate",
 ]
