@@ -13,6 +13,7 @@ from grpolab.algorithms.grpo import train_grpo
 from grpolab.rollout import Rollout
 
 CPU = torch.device("cpu")
+RATIO_FREE = ("no_baseline", "reinforce_with_baseline")
 
 
 def _multi_turn_rollouts(tok, n=4):
@@ -36,9 +37,12 @@ def _gradient(model, batch, cfg):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("normalization,shared", [("masked_mean", True), ("masked_normalize", False),
-                                                  ("token_mean", True), ("masked_mean", False)])
-def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, shared, normalization):
+@pytest.mark.parametrize("loss_type,normalization,shared", [
+    ("grpo_clip", "masked_mean", True), ("grpo_clip", "masked_normalize", False), ("grpo_clip", "token_mean", True),
+    ("grpo_clip", "masked_mean", False), ("no_baseline", "masked_mean", True), ("reinforce_with_baseline", "token_mean", False),
+    ("grpo_no_clip", "masked_mean", True), ("gspo", "masked_mean", True), ("cispo", "token_mean", True),
+    ("sapo", "masked_normalize", True)])
+def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, loss_type, shared, normalization):
     model, tok = tiny_model()
     rollouts = _multi_turn_rollouts(tok)
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
@@ -52,7 +56,7 @@ def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, shared, n
         setattr(batch, key, batch.sampler_log_probs - 0.05 * torch.rand(batch.labels.shape, generator=torch.Generator().manual_seed(1)))
     batch.is_weights = torch.full(batch.labels.shape, 0.9)
     cfg = grpo_config(rollout_batch_size=4, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
-                      loss_type="grpo_clip", length_normalization=normalization, epochs_per_rollout_batch=2,
+                      loss_type=loss_type, length_normalization=normalization, epochs_per_rollout_batch=2,
                       kl_coef=0.1, entropy_coef=0.01, share_prompt_prefix=shared)
     reference = _gradient(model, batch, cfg)
     assert reference.abs().sum() > 0
@@ -63,7 +67,9 @@ def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, shared, n
         getattr(batch, key)[observation] += 3.0  # change the loss's inputs at observation tokens only
         assert torch.equal(_gradient(model, batch, cfg), reference), key
         getattr(batch, key)[~observation & batch.response_mask] += 3.0  # ... and at model tokens: it moves
-        if key != "sampler_log_probs":  # (the sampler's log-probs only enter through the IS weights)
+        # (the sampler's log-probs only enter through the IS weights; the losses without a ratio
+        # never read the old log-probs)
+        if key != "sampler_log_probs" and not (key == "old_log_probs" and loss_type in RATIO_FREE):
             assert not torch.equal(_gradient(model, batch, cfg), reference), key
         setattr(batch, key, original)
 
