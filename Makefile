@@ -27,8 +27,11 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/grpolab demo $(ARGS)
 
+# The light suite in TEST_WORKERS processes (pytest-xdist), each with one torch thread: two workers
+# with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q --ignore=tests/vllm $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)

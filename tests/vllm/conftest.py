@@ -16,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/vllm/" in str(item.path).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """The tiny model after a short SFT on calculator demonstrations (``test_envs_vllm.tool_using_model``),
+    trained once per session and saved: the multi-turn tests of every module load it."""
+    from grpolab.models import save_model_and_tokenizer
+    from tests.vllm.test_envs_vllm import tool_using_model
+
+    path = tmp_path_factory.mktemp("tool_model")
+    save_model_and_tokenizer(*tool_using_model(), path)
+    return path

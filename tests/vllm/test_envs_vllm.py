@@ -38,8 +38,9 @@ def tool_using_model(steps: int = 150):
 
 
 @pytest.fixture(scope="module")
-def lm():
-    return tool_using_model()
+def lm(tool_model_dir):
+    model, tok = load_model_and_tokenizer(str(tool_model_dir))
+    return model.eval(), tok
 
 
 @pytest.fixture(scope="module")
