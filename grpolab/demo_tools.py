@@ -14,8 +14,7 @@ from the question into the query, the value from the result into the answer.
    in the answer, as the arithmetic demo's wrong final answers), replayed through the live tool,
    the loss on the model's tokens only (observations masked, as in the rollouts); a share of them
    is also shown as retrieval-augmented prompts (the passage in the prompt, the same answer, no
-   call). The SFT loop is here because ``train_sft`` trains on whole solution strings and has no
-   loss mask for observations; the model is saved in ``sft/final``;
+   call): ``train_sft`` with ``env`` set (``TOOLS_SFT``), its run (metrics, ``final/``) in ``sft/``;
 3. evaluate on held-out entities three ways: no retrieval (the question alone), a
    retrieval-augmented prompt (the top passage for the question in ``{context}``), and tool use
    (multi-turn); every figure samples at temperature 1 with a fixed seed;
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 from pathlib import Path
 
@@ -40,20 +38,12 @@ import torch
 from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.metrics import read_metrics
-from .algorithms.optimization import make_optimizer, make_scheduler
-from .core import (
-    build_sequences,
-    get_response_log_probs,
-    pad_token_id,
-    sft_microbatch_train_step,
-)
-from .data import get_task, load_template
+from .algorithms.sft import SFTConfig, train_sft
+from .data import SFTPair, get_task, load_template
 from .envs import (
     EnvBackend,
     RetrievalAugmentedTemplate,
     build_env,
-    loss_mask_tensor,
-    replay_demonstrations,
     tool_metrics,
 )
 from .eval import evaluate
@@ -64,9 +54,13 @@ from .rollout import SamplingParams, make_backend
 TOOLS_TASK_OPTIONS = {"num_entities": 1000, "relations": "ruler,river,mayor", "wrong_fraction": 0.5,
                       "wrong_kind": "answer"}
 TOOLS_ENV = dict(top_k=1, max_chars=100, max_turns=2, max_total_tokens=96)
-TOOLS_SFT = dict(steps=500, batch_size=32, learning_rate=3e-3, warmup_steps=15, train_examples=2000, rag_examples=500)
+# SFT on the replayed demonstrations (observations out of the loss): per-sequence summed NLL
+TOOLS_SFT = dict(n_sft_steps=500, train_batch_size=32, gradient_accumulation_steps=1, learning_rate=3e-3,
+                 warmup_steps=15, lr_schedule="cosine", normalize_constant=1.0, task_train_size=2000,
+                 prompt_template="compact", eval_examples=50, log_generations_samples=0, sampling_max_tokens=40)
+TOOLS_RAG_EXAMPLES = 500  # of the SFT questions also shown as retrieval-augmented prompts
 # GRPO with the live tool: 8 questions x 8 answers per step, one on-policy optimizer step
-TOOLS_GRPO = dict(n_grpo_steps=60, rollout_batch_size=64, group_size=8, train_batch_size=64,
+TOOLS_GRPO = dict(n_grpo_steps=100, rollout_batch_size=64, group_size=8, train_batch_size=64,
                   gradient_accumulation_steps=2, learning_rate=2e-4, warmup_steps=0, loss_type="reinforce_with_baseline",
                   use_std_normalization=False, length_normalization="masked_normalize", sampling_temperature=1.0,
                   sampling_min_tokens=1, sampling_max_tokens=40, prompt_template="compact", eval_examples=50,
@@ -78,41 +72,14 @@ RAG_TEMPLATE = "Q: {question}\nContext: {context}\nA: <think>"
 MODES = (("no retrieval", "no_retrieval"), ("retrieval-augmented prompt", "rag"), ("tool use", "tools"))
 
 
-def _masked_batch(prompt_ids, response_ids, loss_masks, pad_id):
-    """Shifted sequences and the loss mask: response tokens the model wrote (observations out)."""
-    batch = build_sequences(prompt_ids, response_ids, pad_id)
-    mask = batch["response_mask"] & loss_mask_tensor([len(p) for p in prompt_ids], loss_masks, batch["labels"].shape)
-    return batch, mask
-
-
-def sft_demonstrations(env, tokenizer, train, rag_examples: int) -> list:
+def demonstration_pairs(env, train, rag_examples: int) -> list[SFTPair]:
     """Every training question as a tool-using demonstration (compact prompt), and the first
     ``rag_examples`` also as a retrieval-augmented one (the top passage in the prompt, then the
-    same answer, right or imperfect, with no call)."""
+    same answer, right or imperfect, with no call). ``train_sft`` with ``env`` replays the calls."""
     compact, rag = load_template("compact"), RetrievalAugmentedTemplate(RAG_TEMPLATE, env.tools["search"])
-    prompts = [compact.format(e.question) for e in train] + [rag.format(e.question) for e in train[:rag_examples]]
-    solutions = [e.solution for e in train] + [e.solution[e.solution.index("</think>"):] for e in train[:rag_examples]]
-    return replay_demonstrations(env, tokenizer, prompts, solutions)
-
-
-def sft_on_demonstrations(model, tokenizer, demos, steps, batch_size, learning_rate, warmup_steps, seed) -> float:
-    """Maximum likelihood on the model's tokens of replayed demonstrations; returns the last NLL."""
-    optimizer = make_optimizer(model, learning_rate)
-    scheduler = make_scheduler(optimizer, warmup_steps, steps, "cosine")
-    rng, pad_id, nll = random.Random(seed), pad_token_id(tokenizer), float("nan")
-    model.train()
-    for _ in range(steps):
-        rows = [demos[rng.randrange(len(demos))] for _ in range(batch_size)]
-        batch, mask = _masked_batch([d.prompt_ids for d in rows], [d.response_ids for d in rows],
-                                    [d.loss_mask for d in rows], pad_id)
-        lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
-        _, meta = sft_microbatch_train_step(lp, mask, 1)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        nll = float(meta["token_nll"])
-    return nll
+    return ([SFTPair(compact.format(e.question), e.solution, e.answer) for e in train]
+            + [SFTPair(rag.format(e.question), e.solution[e.solution.index("</think>"):], e.answer)
+               for e in train[:rag_examples]])
 
 
 def evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed) -> dict[str, dict]:
@@ -153,23 +120,25 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
     env_options = dict(tools=["search"], corpus=str(corpus), cache_dir=str(run_dir / "bm25"), **TOOLS_ENV)
     env = build_env(**env_options)
     model, tokenizer = load_model_and_tokenizer(f"embedded:{size}", seed=seed)
-    train = task.examples("train", train_examples or TOOLS_SFT["train_examples"])
+    sft = {**TOOLS_SFT, "n_sft_steps": sft_steps or TOOLS_SFT["n_sft_steps"],
+           "task_train_size": train_examples or TOOLS_SFT["task_train_size"]}
+    train = task.examples("train", sft["task_train_size"])
     test = task.examples("test", test_examples or TOOLS_TEST_EXAMPLES)
-    demos = sft_demonstrations(env, tokenizer, train, TOOLS_SFT["rag_examples"])
-    sft = {**TOOLS_SFT, "steps": sft_steps or TOOLS_SFT["steps"]}
+    common = dict(task="retrieval", task_options=TOOLS_TASK_OPTIONS, env=env_options, seed=seed, device="cpu",
+                  show_progress=show_progress)
+    sft_cfg = SFTConfig(**sft, **common, run_dir=str(run_dir / "sft"))
     grpo = {**TOOLS_GRPO, "n_grpo_steps": grpo_steps or TOOLS_GRPO["n_grpo_steps"]}
-    grpo_cfg = GRPOConfig(**grpo, task="retrieval", task_options=TOOLS_TASK_OPTIONS, task_train_size=len(train),
-                          env=env_options, seed=seed, device="cpu", show_progress=show_progress,
-                          run_dir=str(run_dir / "grpo"))
+    grpo_cfg = GRPOConfig(**grpo, **common, task_train_size=len(train), run_dir=str(run_dir / "grpo"))
     sampling = SamplingParams(temperature=1.0, max_tokens=grpo["sampling_max_tokens"], min_tokens=1, stop=["</answer>"])
 
     log(f"[1/4] SFT on {TOOLS_TASK_OPTIONS['wrong_fraction']:.0%}-imperfect tool-using demonstrations "
-        f"({sft['steps']} steps)")
+        f"({sft_cfg.n_sft_steps} steps)")
     t = time.perf_counter()
-    nll = sft_on_demonstrations(model, tokenizer, demos, sft["steps"], sft["batch_size"], sft["learning_rate"],
-                                sft["warmup_steps"], seed)
+    sft_result = train_sft(sft_cfg, model=model, tokenizer=tokenizer, overwrite=True,
+                           pairs=demonstration_pairs(env, train, TOOLS_RAG_EXAMPLES))
     timings["sft_s"] = time.perf_counter() - t
-    sft_final = save_final(model, tokenizer, run_dir / "sft" / "final")
+    nll = [r["train/token_nll"] for r in read_metrics(sft_result.metrics_path) if "train/token_nll" in r][-1]
+    sft_final = sft_result.final_dir
     with RewardScorer(task.reward_fn, timeout_s=10.0) as scorer:
         log(f"[2/4] evaluating the SFT model on {len(test)} held-out questions (no retrieval / RAG prompt / tool use)")
         t = time.perf_counter()

@@ -32,8 +32,9 @@ def sft_config(tmp_path):
 def test_tokenize_pairs_tokenises_prompt_and_response_separately(char_tokenizer):
     pairs = [SFTPair("Q: 1+2\nA: <think>", "3</think> <answer>3</answer>"), SFTPair("ab", "c")]
     out = tokenize_pairs(pairs, char_tokenizer)
-    assert out[1] == (char_tokenizer("ab", add_special_tokens=False)["input_ids"], char_tokenizer("c")["input_ids"])
-    prompt, response = out[0]
+    assert out[1] == (char_tokenizer("ab", add_special_tokens=False)["input_ids"], char_tokenizer("c")["input_ids"], None)
+    prompt, response, mask = out[0]
+    assert mask is None  # every response token is trained on
     assert char_tokenizer.decode(prompt) == pairs[0].prompt and char_tokenizer.decode(response) == pairs[0].response
     assert response[:1] == char_tokenizer("3", add_special_tokens=False)["input_ids"]  # no BOS inserted
 
@@ -54,6 +55,41 @@ def test_accumulate_sft_gradient_is_the_response_only_nll_gradient(tiny_model, a
     # the prompt is not trained on: a gradient over prompt + response differs
     _, with_prompt = hand_sft_gradient(model, [([5], [6, 7, 8, 9, eos]), ([5], [10, 11, 12, 13, 14, eos])], 2.0)
     assert not all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, with_prompt))
+
+
+def test_tool_demonstrations_replay_the_live_tool_and_train_only_the_models_tokens(tiny_model, char_tokenizer):
+    from grpolab.envs import build_env
+
+    env = build_env(["calculate"], max_turns=2)
+    pairs = [SFTPair("Q: 12*3\nA: <think>", "<calculate>12*3</calculate><result>999</result></think> <answer>36</answer>")]
+    (prompt, response, mask), = tokenize_pairs(pairs, char_tokenizer, env)
+    enc = lambda text: char_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call, observation, answer = enc("<calculate>12*3</calculate>"), enc("<result>36</result>"), enc("</think> <answer>36</answer>")
+    assert response == call + observation + answer  # the live tool's observation, not the one written in the demo
+    assert mask == [True] * len(call) + [False] * len(observation) + [True] * len(answer)
+    model, tok = tiny_model()
+    sequences = [(prompt, response, mask), ([5, 6], [7, 8, 9, tok.eos_token_id], None)]
+    loss, nll, tokens = accumulate_sft_gradient(model, sequences, 2, 1.0, tok.pad_token_id, CPU, nullcontext)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected_loss, expected = hand_sft_gradient(model, sequences, 1.0)
+    assert tokens == len(call) + len(answer) + 4 and loss == pytest.approx(expected_loss, rel=1e-5)
+    for g, e in zip(grads, expected):
+        assert torch.allclose(g, e, atol=1e-6)
+    _, unmasked = hand_sft_gradient(model, [(prompt, response), sequences[1]], 1.0)  # observations trained on
+    assert not all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, unmasked))
+
+
+def test_sft_with_an_env_learns_to_call_the_tool(tmp_path):
+    from grpolab.envs import EnvBackend, build_env
+    from grpolab.models import load_model_and_tokenizer
+    from grpolab.rollout import SamplingParams, make_backend
+    from tests.tool_models import ENV, QUESTIONS, tool_prompts, tool_using_model
+
+    model, tok = load_model_and_tokenizer(str(tool_using_model(tmp_path)))  # train_sft with env on an sft.jsonl
+    out = EnvBackend(make_backend("hf", model, tok), build_env(**ENV)).generate(
+        tool_prompts(), 1, SamplingParams(temperature=0.0, max_tokens=40, stop=["</answer>"]))
+    assert sum(r.info["tool_calls"] == 1 and r.info["observation_tokens"] > 0 for r in out) >= 6
+    assert sum(r.response.endswith(f"<answer>{a * b}</answer>") for r, (a, b) in zip(out, QUESTIONS)) >= 6
 
 
 def test_sft_pairs_filters_by_the_verifier_and_caps(sft_config, tmp_path):

@@ -40,7 +40,7 @@ def test_tools_demo_runs_end_to_end_and_reports_the_saved_models(tmp_path):
         assert written[phase]["tools"]["tools/model_tokens"] == pytest.approx(again["tools"]["tools/model_tokens"])
     assert written["tool_accuracy_gain_points"] == pytest.approx(
         round(100 * (written["after"]["tools"]["accuracy"] - written["before"]["tools"]["accuracy"]), 1))
-    assert written["test_examples"] == 6 and written["sft"]["steps"] == 4 and written["grpo"]["n_grpo_steps"] == 2
+    assert written["test_examples"] == 6 and written["sft"]["n_sft_steps"] == 4 and written["grpo"]["n_grpo_steps"] == 2
     assert len(written["grpo_history"]) == 2
     assert {"sft_s", "eval_before_s", "grpo_s", "eval_after_s", "total_s"} <= set(written["wall_seconds"])
     table = "\n".join(lines)

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..envs import check_retrieval_options
+from ..envs import check_env_options, check_retrieval_options
+
+# Mappings checked key by key when the config is built (an unknown key is a config error naming the
+# field, not a TypeError deep in the run): a tool environment (envs.build_env's keys), and the
+# corpus of retrieval-augmented prompts (envs.RETRIEVAL_KEYS).
+EnvOptions = Annotated[dict[str, Any] | None, AfterValidator(lambda v: None if v is None else check_env_options(v))]
+RetrievalOptions = Annotated[dict[str, Any] | None,
+                             AfterValidator(lambda v: None if v is None else check_retrieval_options(v))]
 
 
 class ConfigError(ValueError):
@@ -113,7 +120,7 @@ class RunConfig(BaseConfig):
     prompt_template: str | None = None  # r1_zero | question_only | compact | rag_compact | a file; default: task's, else r1_zero
     # retrieval-augmented prompts: a template's {context} gets the top BM25 passages for each question,
     # e.g. {corpus: corpus.jsonl, top_k: 2, max_chars: 200, cache_dir: runs/bm25, text_field: text}
-    retrieval: dict[str, Any] | None = None
+    retrieval: RetrievalOptions = None
     reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
     # --- optimizer basics (AdamW as in CS336)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -150,11 +157,6 @@ class RunConfig(BaseConfig):
     @property
     def total_steps(self) -> int:
         return int(getattr(self, self.steps_field))
-
-    @field_validator("retrieval")
-    @classmethod
-    def _retrieval_keys(cls, value):
-        return None if value is None else check_retrieval_options(value)
 
     @model_validator(mode="after")
     def _check_data(self):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -33,7 +33,7 @@ from ..core import (
     policy_loss_names,
     whiten,
 )
-from ..envs import EnvBackend, build_env, check_env_options, tool_metrics
+from ..envs import EnvBackend, build_env, tool_metrics
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from .batching import (
@@ -43,7 +43,7 @@ from .batching import (
     make_rollout_batch,
     optimizer_batches,
 )
-from .config import PolicyUpdateConfig
+from .config import EnvOptions, PolicyUpdateConfig
 from .distributed import mean_metrics
 from .gradients import accumulate_policy_gradient
 from .health import HealthMonitor, rollout_health
@@ -99,7 +99,7 @@ class GRPOConfig(PolicyUpdateConfig):
     # corpus.jsonl, top_k: 1, max_turns: 2, max_total_tokens: 128, call_cost: 0.0}. The model generates
     # until a tool call closes, the tool's observation is appended (tokenised once) and generation goes
     # on; observation tokens are context only: they leave every loss, normaliser, KL and entropy.
-    env: dict[str, Any] | None = None
+    env: EnvOptions = None
     # --- speed and precision
     micro_batch_token_budget: int | None = Field(None, ge=1)  # dynamic micro-batching by tokens
     skip_zero_advantage: bool = True  # skip rows whose gradient is exactly zero (same update)
@@ -119,12 +119,6 @@ class GRPOConfig(PolicyUpdateConfig):
         if value not in allowed:
             raise ValueError(f"unknown {info.field_name}; expected one of {', '.join(allowed)}")
         return value
-
-    @field_validator("env")
-    @classmethod
-    def _env_keys(cls, value):
-        """Unknown environment keys are a config error here, not a TypeError deep in the run."""
-        return None if value is None else check_env_options(value)
 
     @model_validator(mode="after")
     def _check(self):

@@ -4,6 +4,11 @@ only (CS336 A5 §4). The hyperparameters are the fields of ``SFTConfig``; the lo
 Data: an embedded task's worked solutions, a CS336 ``sft.jsonl`` of ``{prompt, response}``, or a
 GSM8K/MATH JSONL (its reference solution in R1-Zero form). ``filter_correct`` keeps only pairs
 whose response the verifier accepts (CS336 §4.3); ``max_examples`` sets the dataset size.
+
+Tool-using demonstrations: with ``env`` (a tool environment, as GRPO's), each response's tool calls
+are replayed through the live tools (``envs.replay_demonstrations``): the observations are the ones
+the model will read in its rollouts, tokenised as the rollouts tokenise them, and they leave the
+loss (only the model's own tokens are imitated); validation samples through the environment.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from pydantic import Field
 
 from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_microbatch_train_step
 from ..data import SFTPair
+from ..envs import EnvBackend, build_env, loss_mask_tensor, replay_demonstrations
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from . import distributed
 from .batching import ExampleSampler, plan_microbatches
-from .config import SampledRunConfig
+from .config import EnvOptions, SampledRunConfig
 from .inputs import load_sft_inputs
 from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
@@ -38,6 +44,9 @@ class SFTConfig(SampledRunConfig):
     normalize_constant: float = Field(1.0, gt=0)  # sum of response-token NLL / this (CS336)
     warmup_steps: int = Field(1000, ge=0)  # capped at 10 % of n_sft_steps
     lr_schedule: Literal["constant", "cosine"] = "cosine"
+    # tool-using demonstrations (envs.build_env keys, as GRPO's env): calls replayed through the live
+    # tools, observations out of the loss
+    env: EnvOptions = None
     run_dir: str = "runs/sft"
 
 
@@ -59,27 +68,36 @@ def sft_pairs(cfg: SFTConfig):
     return pairs, inputs
 
 
-def tokenize_pairs(pairs: list[SFTPair], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) of each pair, prompt and response tokenised separately (CS336)."""
+def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None) -> list[tuple[list[int], list[int], list[bool] | None]]:
+    """(prompt ids, response ids, loss mask) of each pair, prompt and response tokenised separately
+    (CS336); the mask is None (every response token) unless ``env`` replays tool calls, where it is
+    False on the observations."""
+    if env is not None:
+        demos = replay_demonstrations(env, tokenizer, [p.prompt for p in pairs], [p.response for p in pairs])
+        return [(d.prompt_ids, d.response_ids, d.loss_mask) for d in demos]
     prompts = tokenizer([p.prompt for p in pairs], add_special_tokens=False)["input_ids"]
     responses = tokenizer([p.response for p in pairs], add_special_tokens=False)["input_ids"]
-    return list(zip(prompts, responses))
+    return [(p, r, None) for p, r in zip(prompts, responses)]
 
 
-def accumulate_sft_gradient(model, sequences: list[tuple[list[int], list[int]]], gradient_accumulation_steps: int,
+def accumulate_sft_gradient(model, sequences: list[tuple], gradient_accumulation_steps: int,
                             normalize_constant: float, pad_id: int, device, autocast) -> tuple[float, float, float]:
-    """Forward/backward one optimizer batch of (prompt ids, response ids) in equal micro-batches,
-    loss on the response tokens only. Returns (loss, summed token NLL, response tokens).
+    """Forward/backward one optimizer batch of (prompt ids, response ids[, loss mask]) in equal
+    micro-batches, loss on the response tokens only (those the mask keeps). Returns (loss, summed
+    token NLL, response tokens).
 
     In a distributed run ``sequences`` is this rank's equal share of the optimizer batch: each
     rank's loss is ``world_size`` times its part and the engine averages, so the gradient is the
     single-process one; the returned figures are totals over ranks."""
     total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
-    plans = plan_microbatches([len(p) + len(r) for p, r in sequences], gradient_accumulation_steps)
+    plans = plan_microbatches([len(s[0]) + len(s[1]) for s in sequences], gradient_accumulation_steps)
     padding = distributed.padding_micro_batches(len(plans))
     for plan in plans:
         chunk = [sequences[i] for i in plan]
-        batch = build_sequences([p for p, _ in chunk], [r for _, r in chunk], pad_id)
+        batch = build_sequences([s[0] for s in chunk], [s[1] for s in chunk], pad_id)
+        masks = [s[2] if len(s) > 2 else None for s in chunk]
+        if any(m is not None for m in masks):  # tool-using demonstrations: observations leave the loss
+            batch["response_mask"] &= loss_mask_tensor([len(s[0]) for s in chunk], masks, batch["labels"].shape)
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
             out = get_response_log_probs(model, batch["input_ids"], batch["labels"])
@@ -96,21 +114,27 @@ def accumulate_sft_gradient(model, sequences: list[tuple[list[int], list[int]]],
             distributed.all_reduce(total_tok))
 
 
-def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
-    """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``."""
-    pairs, inputs = sft_pairs(cfg)
+def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False,
+              pairs: list[SFTPair] | None = None) -> TrainResult:
+    """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``, and ``pairs`` the
+    training pairs of the config's data (which still gives the validation questions)."""
+    config_pairs, inputs = sft_pairs(cfg)
+    pairs = config_pairs if pairs is None else list(pairs)
+    if not pairs:
+        raise ValueError("no SFT pairs to train on")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg, check_train=False)) as run:
         model, tokenizer = run.model, run.tokenizer
-        sequences, pad_id = tokenize_pairs(pairs, tokenizer), pad_token_id(tokenizer)
+        env = build_env(**cfg.env, tokenizer=tokenizer) if cfg.env is not None else None
+        sequences, pad_id = tokenize_pairs(pairs, tokenizer, env), pad_token_id(tokenizer)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_sft_steps), cfg.n_sft_steps, cfg.lr_schedule))
         sampler = run.track("data", ExampleSampler(len(pairs), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s) if inputs.reward is not None else None
-        validate = validation(run, make_backend("hf", run.sampling_model, tokenizer, generator=generator), inputs, cfg,
-                              scorer)
+        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator)
+        validate = validation(run, EnvBackend(backend, env) if env is not None else backend, inputs, cfg, scorer)
         if cfg.eval_every and not run.resuming:
             validate(0)  # the starting point of the validation curve
         for step in run.steps():

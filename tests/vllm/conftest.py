@@ -22,9 +22,6 @@ def pytest_collection_modifyitems(config, items):
 def tool_model_dir(tmp_path_factory):
     """The tiny model after a short SFT on calculator demonstrations (``test_envs_vllm.tool_using_model``),
     trained once per session and saved: the multi-turn tests of every module load it."""
-    from grpolab.models import save_model_and_tokenizer
-    from tests.vllm.test_envs_vllm import tool_using_model
+    from tests.tool_models import tool_using_model
 
-    path = tmp_path_factory.mktemp("tool_model")
-    save_model_and_tokenizer(*tool_using_model(), path)
-    return path
+    return tool_using_model(tmp_path_factory.mktemp("tool_model"))

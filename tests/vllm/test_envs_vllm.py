@@ -6,35 +6,12 @@ import pytest
 import torch
 
 from grpolab.core import build_sequences, get_response_log_probs
-from grpolab.demo_tools import sft_on_demonstrations
-from grpolab.envs import EnvBackend, build_env, loss_mask_tensor, replay_demonstrations
+from grpolab.envs import EnvBackend, build_env, loss_mask_tensor
 from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import HFRolloutBackend, SamplingParams, make_backend
+from tests.tool_models import ENV, tool_prompts
 
-QUESTIONS = [(a, b) for a in (12, 25, 37, 48) for b in (3, 9)]
-ENV = {"tools": ["calculate"], "max_turns": 2, "max_total_tokens": 96}
 LOGPROB_TOL = 1e-5  # fp32 on both sides
-
-
-def tool_prompts() -> list[str]:
-    """The compact template's prompts (``Q: ...\nA: <think>``), as a GRPO run on ``tool_questions`` builds them."""
-    return [f"Q: {a}*{b}\nA: <think>" for a, b in QUESTIONS]
-
-
-def tool_questions() -> list[dict]:
-    return [{"question": f"{a}*{b}", "answer": str(a * b)} for a, b in QUESTIONS]
-
-
-def tool_using_model(steps: int = 150):
-    """The embedded tiny model after a short SFT on calculator demonstrations (a call, the live
-    observation masked out, the answer), so that it calls the tool: what the multi-turn paths
-    need to be exercised."""
-    model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
-    env = build_env(**ENV)
-    solutions = [f"<calculate>{a}*{b}</calculate></think> <answer>{a * b}</answer>" for a, b in QUESTIONS]
-    demos = replay_demonstrations(env, tok, tool_prompts(), solutions)
-    sft_on_demonstrations(model, tok, demos, steps=steps, batch_size=16, learning_rate=3e-3, warmup_steps=10, seed=0)
-    return model.eval(), tok
 
 
 @pytest.fixture(scope="module")

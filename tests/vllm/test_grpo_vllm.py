@@ -74,7 +74,7 @@ def test_eval_with_the_vllm_backend_gives_the_hf_backends_greedy_figures(tmp_pat
 
 def test_grpo_with_a_tool_env_on_vllm_trains_on_the_engines_multi_turn_log_probs(grpo_config, tmp_path, tool_model_dir):
     from grpolab.models import load_model_and_tokenizer
-    from tests.vllm.test_envs_vllm import ENV, tool_questions
+    from tests.tool_models import ENV, tool_questions
 
     model, tok = load_model_and_tokenizer(str(tool_model_dir))
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in tool_questions()))
