@@ -117,9 +117,12 @@ def accumulate_sft_gradient(model, sequences: list[tuple], gradient_accumulation
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False,
               pairs: list[SFTPair] | None = None) -> TrainResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``, and ``pairs`` the
-    training pairs of the config's data (which still gives the validation questions)."""
-    config_pairs, inputs = sft_pairs(cfg)
-    pairs = config_pairs if pairs is None else list(pairs)
+    training pairs of the config's data, used as given (``filter_correct`` and ``max_examples``
+    apply to the config's pairs; the config's data still gives the validation questions)."""
+    if pairs is None:
+        pairs, inputs = sft_pairs(cfg)
+    else:  # the config's pairs are not loaded, scored or filtered only to be replaced
+        pairs, inputs = list(pairs), load_sft_inputs(cfg)[1]
     if not pairs:
         raise ValueError("no SFT pairs to train on")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,

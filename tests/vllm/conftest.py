@@ -25,3 +25,15 @@ def tool_model_dir(tmp_path_factory):
     from tests.tool_models import tool_using_model
 
     return tool_using_model(tmp_path_factory.mktemp("tool_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(lm):
+    """A float32 vLLM engine for the module's ``lm`` fixture (model, tokenizer); closed at the
+    module's end, since only one engine runs in a process at a time."""
+    from grpolab.rollout import make_backend
+
+    model, tok = lm
+    backend = make_backend("vllm", model, tok, dtype="float32", seed=0)
+    yield backend
+    backend.close()

@@ -8,7 +8,7 @@ import torch
 from grpolab.core import build_sequences, get_response_log_probs
 from grpolab.envs import EnvBackend, build_env, loss_mask_tensor
 from grpolab.models import load_model_and_tokenizer
-from grpolab.rollout import HFRolloutBackend, SamplingParams, make_backend
+from grpolab.rollout import HFRolloutBackend, SamplingParams
 from tests.tool_models import ENV, tool_prompts
 
 LOGPROB_TOL = 1e-5  # fp32 on both sides
@@ -18,14 +18,6 @@ LOGPROB_TOL = 1e-5  # fp32 on both sides
 def lm(tool_model_dir):
     model, tok = load_model_and_tokenizer(str(tool_model_dir))
     return model.eval(), tok
-
-
-@pytest.fixture(scope="module")
-def engine(lm):
-    model, tok = lm
-    backend = make_backend("vllm", model, tok, dtype="float32", seed=0)
-    yield backend
-    backend.close()
 
 
 def test_greedy_multi_turn_rollouts_equal_the_hf_backends(lm, engine):

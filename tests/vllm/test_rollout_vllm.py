@@ -20,14 +20,6 @@ def lm():
     return load_model_and_tokenizer("embedded:tiny", seed=0)
 
 
-@pytest.fixture(scope="module")
-def engine(lm):
-    model, tok = lm
-    backend = make_backend("vllm", model, tok, dtype="float32", seed=0)
-    yield backend
-    backend.close()
-
-
 def trainer_log_probs(model, r, temperature):
     ids = torch.tensor([r.prompt_ids + r.response_ids])
     labels = torch.tensor([r.prompt_ids[1:] + r.response_ids + [0]])
