@@ -113,7 +113,8 @@ def test_r1_zero_template_exact_text():
 
 def test_template_from_file_and_errors(tmp_path):
     (tmp_path / "t.txt").write_text("Solve: {question}\nUse \\boxed{}.\n")
-    assert load_template(str(tmp_path / "t.txt")).format("1+1") == "Solve: 1+1\nUse \\boxed{}."
+    # read verbatim: the trailing newline stays (a chat prompt written in a file ends "assistant\n")
+    assert load_template(str(tmp_path / "t.txt")).format("1+1") == "Solve: 1+1\nUse \\boxed{}.\n"
     (tmp_path / "bad.txt").write_text("no placeholder")
     with pytest.raises(TemplateError, match="question"):
         load_template(str(tmp_path / "bad.txt"))

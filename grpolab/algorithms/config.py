@@ -117,7 +117,11 @@ class RunConfig(BaseConfig):
     question_field: str = "question"  # plain JSONL field names
     answer_field: str = "answer"
     data_on_error: Literal["raise", "skip"] = "raise"  # skip: malformed lines are skipped and counted
-    prompt_template: str | None = None  # r1_zero | question_only | compact | rag_compact | a file; default: task's, else r1_zero
+    # r1_zero | question_only | compact | rag_compact | chat | chat_r1 | a file (read verbatim). Default: the
+    # tokenizer's chat template where it has one (chat_r1 for a reward that reads <answer> tags, else chat),
+    # else the task's own, else r1_zero
+    prompt_template: str | None = None
+    system_prompt: str | None = None  # chat templates: a system message (text, or a file's path)
     # retrieval-augmented prompts: a template's {context} gets the top BM25 passages for each question,
     # e.g. {corpus: corpus.jsonl, top_k: 2, max_chars: 200, cache_dir: runs/bm25, text_field: text}
     retrieval: RetrievalOptions = None
@@ -199,6 +203,7 @@ class SampledRunConfig(RunConfig):
     sampling_max_tokens: int = Field(1024, ge=1)
     stop: list[str] = Field(default_factory=lambda: ["</answer>"])  # kept in the output
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: autocast, fp32 weights and losses
+    logits_fp32: bool = False  # under bfloat16: the lm_head and log-softmax in fp32 (sampler and trainer alike)
     eval_examples: int = Field(200, ge=1)
     eval_temperature: float = Field(1.0, ge=0)  # CS336 evaluates by sampling at temperature 1
     log_generations_samples: int = Field(8, ge=0)

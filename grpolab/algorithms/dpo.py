@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from ..core import compute_dpo_loss, sum_response_log_probs
-from ..data import PreferencePair
+from ..data import PreferencePair, is_conversation, render_chat
 from . import distributed
 from .batching import ExampleSampler
 from .config import RunConfig
@@ -59,7 +59,11 @@ class DPOConfig(RunConfig):
 
 def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) response log-prob sums of a batch of pairs, in one forward."""
-    fmt = (lambda p: ALPACA_TEMPLATE.format(instruction=p)) if alpaca else (lambda p: p)
+    def fmt(prompt):  # a conversation is rendered by the chat template; text as given (or in Alpaca's)
+        if is_conversation(prompt):
+            return render_chat(tokenizer, prompt, add_generation_prompt=True)
+        return ALPACA_TEMPLATE.format(instruction=prompt) if alpaca else prompt
+
     eos = tokenizer.eos_token or ""
     prompts = [fmt(p.prompt) for p in pairs] * 2
     responses = [p.chosen + eos for p in pairs] + [p.rejected + eos for p in pairs]
@@ -110,7 +114,7 @@ def dpo_gradient(model, ref, tokenizer, pairs: list[PreferencePair], cfg: DPOCon
 
 def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, resume: bool = False,
               overwrite: bool = False) -> TrainResult:
-    train, held = load_preference_inputs(cfg)
+    train, held = load_preference_inputs(cfg, tokenizer)
     if not train:
         raise ValueError("no training pairs")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer) as run:

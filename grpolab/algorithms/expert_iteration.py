@@ -61,7 +61,7 @@ def sft_on_kept(run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cf
 
 def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume: bool = False,
                            overwrite: bool = False) -> TrainResult:
-    inputs = load_inputs(cfg)
+    inputs = load_inputs(cfg, tokenizer)
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer

@@ -271,8 +271,12 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update: Update, group
     correct = raw >= 1.0
     fmt = torch.tensor([s.get("format_reward", 1.0) for s in scores])
     ans = torch.tensor([s.get("answer_reward", s["reward"]) for s in scores])
+    # the trainer's log-prob of every sampled token is known where old log-probs were computed (off-policy, IS
+    # correction: every row), else on the rows the update forwarded
+    measured = update.trained if batch.old_log_probs is None else torch.ones_like(update.trained)
     health = rollout_health(raw, group_size, [r.finish_reason for r in rollouts], fmt, ans, batch.sampler_log_probs,
-                            update.trainer_lp, batch.response_mask & update.trained.unsqueeze(1))
+                            update.trainer_lp if batch.old_log_probs is None else batch.old_log_probs,
+                            batch.response_mask & measured.unsqueeze(1))
     m = {
         "train/reward": float(raw.mean()), "train/reward_std": float(raw.std()) if len(raw) > 1 else 0.0,
         "train/format_reward": float(fmt.mean()), "train/answer_reward": float(ans.mean()),
@@ -304,7 +308,7 @@ def log_step(run: Run, health: HealthMonitor, update: Update, m: dict, last_rewa
 def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
     ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
-    inputs = load_inputs(cfg)
+    inputs = load_inputs(cfg, tokenizer)
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer

@@ -87,13 +87,17 @@ def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: l
                    checked: torch.Tensor) -> dict[str, float]:
     """A rollout batch's health figures: the share of zero-variance groups, the truncation rate,
     the format-failure and wrong-answer rates, and the mean |sampler - trainer| log-prob on the
-    sampled tokens whose trainer log-prob is known (``checked``, (batch, seq))."""
+    sampled tokens whose trainer log-prob is known (``checked``, (batch, seq)) with their count;
+    the mean is absent when no token was measured."""
     grouped = raw_rewards.view(-1, group_size)
     mismatch = (sampler_log_probs - trainer_log_probs).abs()[checked]
-    return {
+    out = {
         "zero_variance_group_fraction": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
         "truncation_rate": sum(r == "length" for r in finish_reasons) / len(finish_reasons),
         "format_failure_rate": float(1 - format_rewards.mean()),
         "wrong_answer_rate": float(((format_rewards > 0) & (answer_rewards <= 0)).float().mean()),
-        "logprob_mismatch": float(mismatch.mean()) if mismatch.numel() else 0.0,
+        "logprob_mismatch_tokens": int(mismatch.numel()),
     }
+    if mismatch.numel():  # nothing measured (no row trained, no old log-probs) is no figure, not a perfect 0.0
+        out["logprob_mismatch"] = float(mismatch.mean())
+    return out

@@ -26,9 +26,9 @@ from ..core import (
     compute_gae,
     compute_grpo_clip_loss,
     compute_value_loss,
+    get_response_log_probs,
     kl_k1,
     kl_k3,
-    log_probs_from_logits,
     masked_mean,
     pad_token_id,
     whiten,
@@ -82,9 +82,9 @@ class PolicyWithValue(torch.nn.Module):
         self.value_head = ValueHead(lm.config.hidden_size)
 
     def forward(self, input_ids, labels, return_entropy: bool = False):
-        out = self.lm(input_ids, output_hidden_states=True)
-        log_probs, entropy = log_probs_from_logits(out.logits, labels, return_entropy, temperature=self.temperature)
-        return log_probs, entropy, self.value_head(out.hidden_states[-1])
+        out = get_response_log_probs(self.lm, input_ids, labels, return_entropy, temperature=self.temperature,
+                                     return_last_hidden=True)
+        return out["log_probs"], out.get("token_entropy"), self.value_head(out["last_hidden_state"])
 
 
 def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_tokens) -> dict[str, torch.Tensor]:
@@ -115,8 +115,8 @@ def score_tokens(policy, ref, batch: dict, score: torch.Tensor, kl_coef: float, 
     kl = torch.zeros_like(old_lp)
     if ref is not None:
         with autocast():
-            ref_logits = ref(batch["input_ids"].to(device)).logits
-        ref_lp = log_probs_from_logits(ref_logits, batch["labels"].to(device), temperature=policy.temperature)[0]
+            ref_lp = get_response_log_probs(ref, batch["input_ids"].to(device), batch["labels"].to(device),
+                                            temperature=policy.temperature)["log_probs"]
         kl = kl_k1(old_lp, ref_lp.float().cpu()) * mask
     rewards = -kl_coef * kl
     last = mask.long().cumsum(1).argmax(1)  # index of each row's last response token
@@ -167,7 +167,7 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
 
 def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run PPO as configured; ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
-    inputs = load_inputs(cfg)
+    inputs = load_inputs(cfg, tokenizer)
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer

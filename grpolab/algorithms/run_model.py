@@ -130,6 +130,8 @@ class RunModel:
         def write(tmp: Path) -> None:
             if self.lora:
                 adapter_dir = tmp / "adapter" if self.cfg.lora_save_merged else tmp
+                # the base is the run's model, not the checkpoint a resumed run happened to load from
+                self._peft().peft_config[lora.ADAPTER].base_model_name_or_path = lora.base_reference(self.cfg.model)
                 self._peft().save_pretrained(adapter_dir, state_dict=lora.adapter_state_dict(full))
                 tokenizer.save_pretrained(adapter_dir)
             if self.cfg.lora_save_merged or not self.lora:

@@ -1,8 +1,11 @@
 """SFT: maximum-likelihood fine-tuning on (prompt, response) pairs, loss on the response tokens
 only (CS336 A5 §4). The hyperparameters are the fields of ``SFTConfig``; the loop is ``train_sft``.
 
-Data: an embedded task's worked solutions, a CS336 ``sft.jsonl`` of ``{prompt, response}``, or a
-GSM8K/MATH JSONL (its reference solution in R1-Zero form). ``filter_correct`` keeps only pairs
+Data: an embedded task's worked solutions, a CS336 ``sft.jsonl`` of ``{prompt, response}`` (or
+TRL's ``{prompt, completion}`` and ``{messages}``: conversations rendered by the chat template,
+only the assistant's tokens trained), or a GSM8K/MATH JSONL (its reference solution in R1-Zero
+form). Every response ends with the tokenizer's eos — a chat model's end-of-turn token — so the
+model learns to stop (``append_eos``; TRL appends it too). ``filter_correct`` keeps only pairs
 whose response the verifier accepts (CS336 §4.3); ``max_examples`` sets the dataset size.
 
 Tool-using demonstrations: with ``env`` (a tool environment, as GRPO's), each response's tool calls
@@ -19,7 +22,7 @@ import torch
 from pydantic import Field
 
 from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_microbatch_train_step
-from ..data import SFTPair
+from ..data import SFTPair, conversation_segments
 from ..envs import EnvBackend, build_env, loss_mask_tensor, replay_demonstrations
 from ..rewards import RewardScorer
 from ..rollout import make_backend
@@ -47,13 +50,19 @@ class SFTConfig(SampledRunConfig):
     # tool-using demonstrations (envs.build_env keys, as GRPO's env): calls replayed through the live
     # tools, observations out of the loss
     env: EnvOptions = None
+    # the tokenizer's eos (a chat model's end-of-turn token) ends every response that does not end
+    # with it already, so the model learns to stop (TRL does the same); false: responses as given
+    append_eos: bool = True
     run_dir: str = "runs/sft"
 
 
-def sft_pairs(cfg: SFTConfig):
+def sft_pairs(cfg: SFTConfig, tokenizer=None):
     """(training pairs, inputs) with the correctness filter (guarded rewards) and the size cap applied."""
-    pairs, inputs = load_sft_inputs(cfg)
+    pairs, inputs = load_sft_inputs(cfg, tokenizer)
     if cfg.filter_correct:
+        if any(p.messages is not None for p in pairs):
+            raise ValueError("filter_correct scores {prompt, response} pairs; a {messages} conversation has no single "
+                             "response to verify")
         if inputs.reward is None:
             raise ValueError("filter_correct needs a reward (verifier)")
         if any(p.ground_truth is None for p in pairs):
@@ -68,16 +77,44 @@ def sft_pairs(cfg: SFTConfig):
     return pairs, inputs
 
 
-def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None) -> list[tuple[list[int], list[int], list[bool] | None]]:
+def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool = False
+                   ) -> list[tuple[list[int], list[int], list[bool] | None]]:
     """(prompt ids, response ids, loss mask) of each pair, prompt and response tokenised separately
-    (CS336); the mask is None (every response token) unless ``env`` replays tool calls, where it is
-    False on the observations."""
+    (CS336). With ``append_eos`` the tokenizer's eos id ends every response whose ids do not end
+    with it already. The mask is None (every response token) unless ``env`` replays tool calls
+    (False on the observations) or the pair is a conversation (``messages``: only the assistant
+    turns and their end-of-turn tokens are trained, as TRL's ``assistant_only_loss``)."""
+    eos = tokenizer.eos_token_id if append_eos else None
     if env is not None:
         demos = replay_demonstrations(env, tokenizer, [p.prompt for p in pairs], [p.response for p in pairs])
-        return [(d.prompt_ids, d.response_ids, d.loss_mask) for d in demos]
-    prompts = tokenizer([p.prompt for p in pairs], add_special_tokens=False)["input_ids"]
-    responses = tokenizer([p.response for p in pairs], add_special_tokens=False)["input_ids"]
-    return [(p, r, None) for p, r in zip(prompts, responses)]
+        return [_ended(d.prompt_ids, d.response_ids, d.loss_mask, eos) for d in demos]
+    out = []
+    plain = [i for i, p in enumerate(pairs) if p.messages is None]
+    prompts = tokenizer([pairs[i].prompt for i in plain], add_special_tokens=False)["input_ids"] if plain else []
+    responses = tokenizer([pairs[i].response for i in plain], add_special_tokens=False)["input_ids"] if plain else []
+    by_index = {i: (p, r) for i, p, r in zip(plain, prompts, responses)}
+    for i, pair in enumerate(pairs):
+        if i in by_index:
+            out.append(_ended(*by_index[i], None, eos))
+            continue
+        prompt, pieces = conversation_segments(tokenizer, pair.messages)
+        ids, mask = [], []
+        for text, trained in pieces:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [trained] * len(piece)
+        out.append(_ended(tokenizer(prompt, add_special_tokens=False)["input_ids"], ids, mask, eos))
+    return out
+
+
+def _ended(prompt_ids, response_ids, mask, eos):
+    """The sequence with ``eos`` appended (trained) unless its last trained token is already it."""
+    response_ids, mask = list(response_ids), None if mask is None else list(mask)
+    if eos is not None and not (response_ids and response_ids[-1] == eos):
+        response_ids.append(eos)
+        if mask is not None:
+            mask.append(True)
+    return list(prompt_ids), response_ids, mask
 
 
 def accumulate_sft_gradient(model, sequences: list[tuple], gradient_accumulation_steps: int,
@@ -120,16 +157,16 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
     training pairs of the config's data, used as given (``filter_correct`` and ``max_examples``
     apply to the config's pairs; the config's data still gives the validation questions)."""
     if pairs is None:
-        pairs, inputs = sft_pairs(cfg)
+        pairs, inputs = sft_pairs(cfg, tokenizer)
     else:  # the config's pairs are not loaded, scored or filtered only to be replaced
-        pairs, inputs = list(pairs), load_sft_inputs(cfg)[1]
+        pairs, inputs = list(pairs), load_sft_inputs(cfg, tokenizer)[1]
     if not pairs:
         raise ValueError("no SFT pairs to train on")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg, check_train=False)) as run:
         model, tokenizer = run.model, run.tokenizer
         env = build_env(**cfg.env, tokenizer=tokenizer) if cfg.env is not None else None
-        sequences, pad_id = tokenize_pairs(pairs, tokenizer, env), pad_token_id(tokenizer)
+        sequences, pad_id = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos), pad_token_id(tokenizer)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_sft_steps), cfg.n_sft_steps, cfg.lr_schedule))

@@ -26,9 +26,11 @@ class DataError(ValueError):
 
 @dataclass
 class Example:
-    """A question with its ground truth; ``solution`` is a worked response for SFT (optional)."""
+    """A question with its ground truth; ``solution`` is a worked response for SFT (optional).
+    ``question`` is text, or a conversation (a list of ``{role, content}`` messages, TRL's
+    conversational format), which only a chat template can render."""
 
-    question: str
+    question: str | list[dict]
     answer: Any
     solution: str | None = None
     meta: dict = field(default_factory=dict)
@@ -36,15 +38,19 @@ class Example:
 
 @dataclass
 class SFTPair:
-    prompt: str
-    response: str
+    """A prompt (text, or a conversation rendered by the chat template) and the response to
+    imitate; or ``messages``, a whole conversation whose assistant turns are imitated."""
+
+    prompt: str | list[dict]
+    response: str | None
     ground_truth: Any = None
     source: str | None = None  # "path:line" when read from a file
+    messages: list[dict] | None = None
 
 
 @dataclass
 class PreferencePair:
-    prompt: str
+    prompt: str | list[dict]  # text, or a conversation (rendered by the chat template)
     chosen: str
     rejected: str
     source: str | None = None  # "path:line" when read from a file
@@ -91,6 +97,45 @@ def require_field(obj: Any, name: str) -> Any:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise KeyError(f"empty field {name!r}")
     return value
+
+
+def conversation(value: Any, name: str) -> list[dict]:
+    """``value`` checked as a list of ``{role, content}`` messages (roles system/user/assistant/tool,
+    content text); KeyError naming the field and the first bad message otherwise."""
+    if not isinstance(value, list) or not value:
+        raise KeyError(f"field {name!r} must be text or a non-empty list of {{role, content}} messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise KeyError(f"field {name!r}: message {i} is not a {{role, content}} object")
+        if m["role"] not in ("system", "user", "assistant", "tool") or not isinstance(m["content"], str):
+            raise KeyError(f"field {name!r}: message {i} needs a role (system/user/assistant/tool) and text content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def text_or_conversation(obj: Any, name: str) -> str | list[dict]:
+    """A field holding text or a conversation (TRL's conversational format)."""
+    value = require_field(obj, name)
+    return conversation(value, name) if isinstance(value, list) else str(value)
+
+
+def assistant_text(obj: Any, name: str) -> str:
+    """A response field: text, or a conversation whose assistant messages are the response
+    (TRL's conversational ``completion``/``chosen``/``rejected``)."""
+    value = require_field(obj, name)
+    if not isinstance(value, list):
+        return str(value)
+    turns = [m["content"] for m in conversation(value, name) if m["role"] == "assistant"]
+    if not turns:
+        raise KeyError(f"field {name!r} has no assistant message")
+    return "".join(turns)
+
+
+def prompt_messages(messages: list[dict], name: str = "messages") -> list[dict]:
+    """A conversation's prompt: up to its last user message (a final assistant answer left out)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise KeyError(f"field {name!r} has no user message")
+    return messages[: last_user + 1]
 
 
 _require = require_field  # the old private name, kept until every caller uses require_field
@@ -147,11 +192,18 @@ def load_jsonl(
     solution_field: str | None = None,
     on_error: str = "raise",
 ) -> Loaded:
-    """Examples from a JSONL file with the named fields (answers kept as given: str, number or list)."""
+    """Examples from a JSONL file with the named fields (answers kept as given: str, number or list).
+    The question may be a conversation (TRL's format): the question field, or — when the file has
+    none — a ``prompt`` or ``messages`` field holding a list of ``{role, content}`` messages."""
 
     def convert(obj):
         solution = require_field(obj, solution_field) if solution_field else None
-        return Example(str(require_field(obj, question_field)), require_field(obj, answer_field), solution)
+        if isinstance(obj, dict) and question_field not in obj and ("prompt" in obj or "messages" in obj):
+            question = (text_or_conversation(obj, "prompt") if "prompt" in obj
+                        else prompt_messages(conversation(require_field(obj, "messages"), "messages")))
+        else:
+            question = text_or_conversation(obj, question_field)
+        return Example(question, require_field(obj, answer_field), solution)
 
     return read_jsonl_records(path, convert, on_error)
 
@@ -207,20 +259,33 @@ def load_math(path: str | Path, question_field: str = "problem", solution_field:
 
 
 def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_field: str = "response", on_error: str = "raise") -> Loaded:
-    """SFT pairs ``{"prompt", "response"}`` (CS336 ``sft.jsonl``); an optional ``ground_truth`` is kept."""
+    """SFT pairs ``{"prompt", "response"}`` (CS336 ``sft.jsonl``) — or TRL's formats:
+    ``{"prompt", "completion"}`` and ``{"messages"}`` (a whole conversation, its assistant turns
+    imitated). A prompt may be a conversation (a list of ``{role, content}``), a completion a list
+    of assistant messages. An optional ``ground_truth`` is kept."""
 
     def convert(obj):
         gt = obj.get("ground_truth") if isinstance(obj, dict) else None
-        return SFTPair(str(require_field(obj, prompt_field)), str(require_field(obj, response_field)), gt)
+        if isinstance(obj, dict) and "messages" in obj and prompt_field not in obj:
+            messages = conversation(require_field(obj, "messages"), "messages")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise KeyError("field 'messages' has no assistant message to imitate")
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            return SFTPair(messages[:first], None, gt, messages=messages)
+        response = response_field if not (isinstance(obj, dict) and response_field not in obj and "completion" in obj) \
+            else "completion"
+        return SFTPair(text_or_conversation(obj, prompt_field), assistant_text(obj, response), gt)
 
     return read_jsonl_records(path, convert, on_error)
 
 
 def load_preferences(path: str | Path, on_error: str = "raise") -> Loaded:
-    """Preference triples ``{"prompt", "chosen", "rejected"}``."""
+    """Preference triples ``{"prompt", "chosen", "rejected"}``; the prompt may be a conversation and
+    chosen/rejected lists of assistant messages (TRL's conversational preference format)."""
 
     def convert(obj):
-        return PreferencePair(str(require_field(obj, "prompt")), str(require_field(obj, "chosen")), str(require_field(obj, "rejected")))
+        return PreferencePair(text_or_conversation(obj, "prompt"), assistant_text(obj, "chosen"),
+                              assistant_text(obj, "rejected"))
 
     return read_jsonl_records(path, convert, on_error)
 

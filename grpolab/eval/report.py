@@ -124,20 +124,22 @@ def evaluate_model(
     reward_timeout_s: float = 10.0,
     scorer: RewardScorer | None = None,
     source: str | None = None,
+    entropy: bool = True,
 ) -> tuple[dict[str, Any], list[dict]]:
     """All figures for ``k`` samples per question. Returns (metrics, generations).
 
     Input errors (``k < 1``, no examples — ``source`` names where they came from — a corpus too
     short for perplexity) raise ValueError before any sampling. Rewards are guarded (see
-    ``evaluate``); token entropy is of the sampling distribution (``temperature``)."""
+    ``evaluate``); token entropy (``entropy``) is of the sampling distribution (``temperature``)."""
     check_eval_inputs(k, examples, source, corpus_ids, ppl_max_length, ppl_stride)
     sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=min_tokens, stop=list(stop), seed=seed)
     result = evaluate(backend, examples, template, reward_fn, sampling, n=k, scorer=scorer,
                       reward_timeout_s=reward_timeout_s)
     keys = [answer_key(r.response) for r in result.rollouts]
     m = {**result.metrics, "k": k, "questions": len(examples), **sample_metrics(result, keys, len(examples), k)}
-    entropies = token_entropies(model, result.rollouts, tokenizer, temperature=temperature)
-    m["token_entropy"] = sum(entropies) / max(1, len(entropies))
+    if entropy:  # a second pass over every response: optional (grpolab eval --no-entropy)
+        entropies = token_entropies(model, result.rollouts, tokenizer, temperature=temperature)
+        m["token_entropy"] = sum(entropies) / max(1, len(entropies))
     if corpus_ids is not None:
         m["perplexity"] = perplexity(model, corpus_ids, ppl_max_length, ppl_stride)
     m.update(rollout_info_means(result.rollouts))

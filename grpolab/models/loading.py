@@ -5,7 +5,9 @@ anything else must be a local Hugging Face model directory. Runs are offline: a 
 directory is an error at once (no hub look-up, no retries), whatever it looks like. Weights load
 from safetensors only: a directory with only a pickled checkpoint (``pytorch_model.bin``) is
 refused, since unpickling can run arbitrary code. A model's own Python code (``auto_map`` in
-``config.json``) runs only with ``trust_remote_code=True``.
+``config.json``) runs only with ``trust_remote_code=True``. A LoRA adapter directory (peft's
+``adapter_config.json``, e.g. a LoRA run's ``final/``) loads as its base model with the adapter
+merged in.
 
 Every failure is one line, a ``ModelLoadError`` (a ``ValueError``, which the CLI reports).
 """
@@ -51,8 +53,59 @@ def model_directory(path: str, need_config: bool = True) -> Path:
     if not p.is_dir():
         raise ModelLoadError(f"model directory not found: {path} (models load from local directories only)")
     if need_config and not (p / "config.json").is_file():
+        if is_adapter_directory(p):
+            return p
         raise ModelLoadError(f"no config.json in {path}: not a Hugging Face model directory")
     return p
+
+
+def is_adapter_directory(path: str | Path) -> bool:
+    """A LoRA adapter saved by peft (``adapter_config.json``; e.g. a LoRA run's ``final/``)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model directory an adapter was trained on (``base_model_name_or_path``), resolved
+    as given, then relative to the adapter's own directory; a one-line error when neither exists."""
+    import json
+
+    p = Path(path).expanduser()
+    try:
+        config = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
+        base = config["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{p / 'adapter_config.json'}: not a readable adapter config ({_first_line(exc)})") from None
+    if not isinstance(base, str) or not base:
+        raise ModelLoadError(f"{p / 'adapter_config.json'}: no base_model_name_or_path")
+    if base.startswith(EMBEDDED_PREFIX) or Path(base).expanduser().is_dir():
+        return base
+    beside = p / base
+    if beside.is_dir():
+        return str(beside)
+    raise ModelLoadError(f"{p}: the adapter's base model {base!r} is not a local directory (from here or from {p})")
+
+
+def load_adapter_model(path: str, dtype, device, gradient_checkpointing: bool, trust_remote_code: bool, seed: int = 0,
+                       tokenizer=None):
+    """A peft LoRA adapter directory as one plain model: its base, loaded as any model, with the
+    adapter applied and merged (W + scale * B A), so sampling, evaluation and further training
+    (with or without a new adapter) see exactly the policy the adapter's run trained."""
+    from .lora import require_peft
+
+    peft = require_peft()
+    p = Path(path).expanduser()
+    if not any(p.glob("adapter_model*.safetensors")):
+        pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES)
+        what = f"pickled adapter {pickled[0]} refused for safety" if pickled else "no adapter_model.safetensors"
+        raise ModelLoadError(f"{path}: {what}")
+    base = load_model(adapter_base(p), dtype=dtype, device="cpu", seed=seed, tokenizer=tokenizer,
+                      trust_remote_code=trust_remote_code)
+    try:
+        model = peft.PeftModel.from_pretrained(base, str(p), is_trainable=False).merge_and_unload()
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"{path}: cannot apply the LoRA adapter ({_first_line(exc)})") from None
+    return model.to(device)
 
 
 def check_safe_weights(p: Path) -> None:
@@ -86,6 +139,8 @@ def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bo
     from transformers import AutoTokenizer
 
     p = model_directory(path, need_config=False)
+    if is_adapter_directory(p) and not (p / "tokenizer_config.json").is_file():
+        return load_tokenizer(adapter_base(p), padding_side, trust_remote_code)  # an adapter saved without one
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -107,6 +162,8 @@ def load_model(
     if path.startswith(EMBEDDED_PREFIX):
         model = build_tiny_model(path[len(EMBEDDED_PREFIX) :], tokenizer=tokenizer, seed=seed)
         model = model.to(dtype=torch_dtype)
+    elif is_adapter_directory(path):
+        model = load_adapter_model(path, torch_dtype, device, False, trust_remote_code, seed, tokenizer)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -131,7 +188,7 @@ def load_model(
 def load_model_and_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bool = False, **kwargs):
     """``(model, tokenizer)``; ``kwargs`` go to ``load_model``. The model directory is checked
     first, so a wrong path gets the model's error rather than the tokenizer's."""
-    if not path.startswith(EMBEDDED_PREFIX):
+    if not path.startswith(EMBEDDED_PREFIX) and not is_adapter_directory(path):
         check_safe_weights(model_directory(path))
     tokenizer = load_tokenizer(path, padding_side, trust_remote_code=trust_remote_code)
     return load_model(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **kwargs), tokenizer

@@ -42,6 +42,14 @@ def apply_lora(model, r: int, alpha: float, dropout: float = 0.0, target_modules
     return peft.get_peft_model(model, config)
 
 
+def base_reference(model: str) -> str:
+    """How an adapter names its base (``base_model_name_or_path``): an embedded name as is, a
+    directory as an absolute path, so the adapter loads from any working directory."""
+    from pathlib import Path
+
+    return model if model.startswith("embedded:") or Path(model).is_absolute() else str(Path(model).resolve())
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

@@ -11,6 +11,8 @@ from .registry import (
     check_reward_output,
     get_reward_fn,
     is_builtin_reward,
+    lenient_reward,
+    reward_reads_tags,
     reward_spec,
 )
 from .scoring import ZERO_SCORE, RewardScorer
@@ -50,6 +52,8 @@ __all__ = [
     "is_builtin_reward",
     "is_equivalent",
     "is_unit_word",
+    "lenient_reward",
+    "reward_reads_tags",
     "last_boxed",
     "last_number",
     "normalize_answer",

@@ -23,8 +23,39 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "question_only": question_only_reward_fn,
     "gsm8k": gsm8k_reward_fn,
     "arithmetic": arithmetic_reward_fn,
+    "arithmetic_lenient": partial(arithmetic_reward_fn, lenient_format=True),
     "countdown": countdown_reward_fn,
+    "countdown_lenient": partial(countdown_reward_fn, lenient_format=True),
 }
+# rewards that read an R1-format <answer> block (a chat model is asked for tags: prompt_template chat_r1)
+TAGGED_REWARDS = ("r1_zero", "r1_zero_lenient", "arithmetic", "arithmetic_lenient", "countdown", "countdown_lenient")
+
+
+def lenient_reward(reward: RewardFn) -> RewardFn:
+    """The built-in ``reward``'s lenient-format form (any whitespace between ``</think>`` and
+    ``<answer>``), or ``reward`` itself when it has none."""
+    spec = reward_spec(reward)
+    if isinstance(spec, str) and spec in BUILTIN_REWARDS and not spec.endswith("_lenient"):
+        return BUILTIN_REWARDS.get(f"{spec}_lenient", reward)
+    return reward
+
+
+def reward_reads_tags(reward: Any) -> bool:
+    """True for a reward that reads an ``<answer>`` block: the built-in R1 rewards, the embedded
+    tasks' (a function with a ``lenient_format`` keyword), weighted sums of them."""
+    if isinstance(reward, (list, tuple)):
+        return any(reward_reads_tags(c["fn"] if isinstance(c, dict) else c.fn) for c in reward)
+    if isinstance(reward, str):
+        return reward in TAGGED_REWARDS
+    spec = reward_spec(reward)
+    if isinstance(spec, str) and spec in BUILTIN_REWARDS:
+        return spec in TAGGED_REWARDS
+    import inspect
+
+    try:
+        return "lenient_format" in inspect.signature(reward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def get_reward_fn(spec: str | RewardFn) -> RewardFn:

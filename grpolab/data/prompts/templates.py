@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 BUILTIN_TEMPLATES = ("r1_zero", "question_only", "compact", "rag_compact")
+CHAT_TEMPLATES = ("chat", "chat_r1")  # rendered by the tokenizer's chat template (prompts/chat.py)
 
 
 class TemplateError(ValueError):
@@ -23,14 +24,28 @@ class PromptTemplate:
             raise TemplateError(f"prompt template {self.name!r} has no {{question}} placeholder")
 
     def format(self, question: str) -> str:
+        if not isinstance(question, str):  # a conversation (list of messages) needs the tokenizer's template
+            raise TemplateError(f"prompt template {self.name!r} takes text; a question given as a list of messages "
+                                "needs a chat template (prompt_template: chat)")
         return self.text.replace("{question}", question)
 
     def __call__(self, question: str) -> str:
         return self.format(question)
 
 
-def load_template(name_or_path: str) -> PromptTemplate:
-    """A built-in template by name, or a template read from a UTF-8 text file."""
+def load_template(name_or_path: str, tokenizer=None, system_prompt: str | None = None):
+    """A built-in template by name, a chat preset (``chat``, ``chat_r1``: rendered by ``tokenizer``'s
+    chat template, with ``system_prompt``), or a template read verbatim from a UTF-8 text file (a
+    trailing newline is kept: the prompt ends where the file does)."""
+    if name_or_path in CHAT_TEMPLATES:
+        from .chat import ChatTemplate
+
+        if tokenizer is None:
+            raise TemplateError(f"prompt template {name_or_path!r} needs the model's tokenizer")
+        return ChatTemplate(tokenizer, name_or_path, system_prompt)
+    if system_prompt is not None:
+        raise TemplateError(f"system_prompt needs a chat template (prompt_template: chat or chat_r1), not "
+                            f"{name_or_path!r}")
     if name_or_path in BUILTIN_TEMPLATES:
         text = resources.files(__package__).joinpath(f"{name_or_path}.prompt").read_text(encoding="utf-8")
         return PromptTemplate(name_or_path, text)
@@ -43,7 +58,7 @@ def load_template(name_or_path: str) -> PromptTemplate:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise TemplateError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
-    return PromptTemplate(str(path), text.rstrip("\n"))
+    return PromptTemplate(str(path), text)
 
 
 R1_ZERO_PROMPT = load_template("r1_zero").text
