@@ -32,7 +32,8 @@ from .algorithms.metrics import read_metrics
 from .algorithms.ppo import PPOConfig, train_ppo
 from .algorithms.sft import SFTConfig, train_sft
 from .core import sum_response_log_probs
-from .data import get_task, load_template
+from .algorithms.inputs import prompt_template_for
+from .data import get_task
 from .envs import EnvBackend, build_env
 from .eval.report import evaluate_model
 from .models import load_model_and_tokenizer
@@ -135,7 +136,7 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
     # held-out questions with correct worked solutions (the references for perplexity)
     task = get_task(TASK, seed=seed, **{**TASK_OPTIONS, "wrong_fraction": 0.0})
     test = task.examples("test", test_examples)
-    template = load_template(task.default_template)
+    template = prompt_template_for(task, None, tokenizer=tok)  # the one place every command builds prompts
     ref_prompts = [template.format(e.question) for e in test]
     ref_solutions = [e.solution for e in test]
 

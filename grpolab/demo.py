@@ -21,7 +21,8 @@ from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.metrics import plot_grpo_run
 from .algorithms.sft import SFTConfig, train_sft
-from .data import get_task, load_template
+from .algorithms.inputs import prompt_template_for
+from .data import get_task
 from .eval import evaluate
 from .models import load_model_and_tokenizer
 from .presets import DEMO_GRPO as GRPO
@@ -60,7 +61,7 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
 
     task = get_task(TASK, seed=seed, **TASK_OPTIONS)
     test = task.examples("test", test_examples or TEST_EXAMPLES)
-    template = load_template(task.default_template)
+    template = prompt_template_for(task, None, tokenizer=tokenizer)  # the one place every command builds prompts
     sampling = SamplingParams(temperature=1.0, max_tokens=GRPO["sampling_max_tokens"], min_tokens=1,
                               stop=["</answer>"], seed=seed + 12345)
 

@@ -21,7 +21,8 @@ from .algorithms.checkpoints import atomic_write_text
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.metrics import read_metrics
 from .algorithms.sft import SFTConfig, train_sft
-from .data import get_task, load_template
+from .algorithms.inputs import prompt_template_for
+from .data import get_task
 from .eval import evaluate
 from .models import load_model_and_tokenizer
 from .presets import DEMO_GRPO, DEMO_SFT, ROLLOUTS_PER_STEP, TASK, TASK_OPTIONS, VARIANTS
@@ -65,7 +66,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
                  test_examples: int = 200, show_progress: bool = True, overrides: dict | None = None) -> dict:
     run_dir = Path(run_dir)
     task = get_task(TASK, seed=0, **TASK_OPTIONS)
-    test, template = task.examples("test", test_examples), load_template(task.default_template)
+    test, template = task.examples("test", test_examples), prompt_template_for(task, None)  # the embedded model's
     sampling = SamplingParams(temperature=1.0, max_tokens=DEMO_GRPO["sampling_max_tokens"], min_tokens=1,
                               stop=["</answer>"], seed=12345)
     per_step = (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP)

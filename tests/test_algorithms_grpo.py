@@ -316,6 +316,19 @@ def test_trainer_log_probs_equal_the_samplers_at_temperature(grpo_config):
     assert len(mismatch) == 2 and all(m < 1e-5 for m in mismatch), mismatch
 
 
+def test_mismatch_is_absent_when_nothing_was_measured_and_counted_when_it_was(grpo_config, tmp_path):
+    """The random tiny model scores 0 on every arithmetic question: on-policy, no row trains and no
+    trainer log-prob is known, so the step has no mismatch figure (it used to log a "perfect" 0.0);
+    off-policy, the old log-probs of every sampled token are compared."""
+    on = step_records(train_grpo(grpo_config(n_grpo_steps=1, eval_examples=1, log_generations_samples=0)))
+    assert on[0]["train/rows_trained"] == 0
+    assert "health/logprob_mismatch" not in on[0] and on[0]["health/logprob_mismatch_tokens"] == 0
+    off = step_records(train_grpo(grpo_config(n_grpo_steps=1, eval_examples=1, log_generations_samples=0,
+                                              train_batch_size=8, gradient_accumulation_steps=2,
+                                              run_dir=str(tmp_path / "off"))))
+    assert off[0]["health/logprob_mismatch_tokens"] > 0 and off[0]["health/logprob_mismatch"] < 1e-5
+
+
 def test_advantage_eps_zero_with_zero_variance_groups_keeps_the_weights_finite(grpo_config, tiny_model, weights):
     cfg = grpo_config(n_grpo_steps=2, advantage_eps=0.0, skip_zero_advantage=False, eval_examples=1,
                       log_generations_samples=0, reward="tests.reward_fixtures:even_answer_or_length_parity")

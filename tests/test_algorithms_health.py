@@ -118,5 +118,8 @@ def test_rollout_health_figures():
     assert h["format_failure_rate"] == pytest.approx(1 / 6)
     assert h["wrong_answer_rate"] == pytest.approx(2 / 6)  # formatted but wrong: rows 2 and 5 (row 4 is a format failure)
     assert h["logprob_mismatch"] == pytest.approx((6 * 0.1 + 0.3) / 7, rel=1e-5)
+    assert h["logprob_mismatch_tokens"] == 7
+    # nothing measured (no row trained, no old log-probs): no figure, never a vacuous "perfect" 0.0
     none_checked = rollout_health(raw, 2, ["stop"] * 6, fmt, ans, sampler, trainer, torch.zeros(6, 3, dtype=torch.bool))
-    assert none_checked["logprob_mismatch"] == 0.0
+    assert "logprob_mismatch" not in none_checked and none_checked["logprob_mismatch_tokens"] == 0
+    assert HealthMonitor(window=1).update({k: v for k, v in HEALTHY.items() if k != "logprob_mismatch"}) == []

@@ -105,3 +105,48 @@ def test_lora_on_a_tied_output_head_is_refused_in_one_line(tiny_model):
     assert model.config.tie_word_embeddings
     with pytest.raises(ValueError, match="lora_target_modules: 'lm_head' is tied to the input embeddings"):
         apply_lora(model, 4, 8.0, target_modules=["q_proj", "lm_head"])
+
+
+def test_a_lora_runs_final_adapter_is_a_model_everywhere(tmp_path, small_run):
+    """SFT with LoRA writes an adapter as final/; grpolab loads it as base + adapter (merged), equal
+    to peft's own forward, and trains on from it (SFT-with-LoRA -> GRPO) and evaluates it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+    from grpolab.algorithms.sft import SFTConfig, train_sft
+    from grpolab.cli import app
+    from grpolab.models import ModelLoadError, save_model_and_tokenizer
+
+    base_dir = save_model_and_tokenizer(*load_model_and_tokenizer("embedded:tiny", seed=3), tmp_path / "base")
+    sft = SFTConfig(**small_run, model=str(base_dir), n_sft_steps=3, train_batch_size=8, gradient_accumulation_steps=2,
+                    learning_rate=1e-2, warmup_steps=0, lora_r=4, run_dir=str(tmp_path / "sft"))
+    final = train_sft(sft).final_dir
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir.resolve())
+    merged, tok = load_model_and_tokenizer(str(final))
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(final)).eval()
+    ids = torch.tensor([tok("Q: 1+2\nA: <think>")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        assert (merged(ids).logits - AutoModelForCausalLM.from_pretrained(str(base_dir))(ids).logits).abs().max() > 1e-4
+    # GRPO from the adapter: the run starts from the merged policy
+    grpo = GRPOConfig(**small_run, model=str(final), n_grpo_steps=1, rollout_batch_size=4, group_size=4,
+                      train_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0, run_dir=str(tmp_path / "grpo"))
+    assert train_grpo(grpo).final_dir.joinpath("config.json").is_file()
+    out = CliRunner().invoke(app, ["eval", "--model", str(final), "--data", "task:arithmetic", "--n", "2", "--k", "1",
+                                   "--max-tokens", "8", "--out", str(tmp_path / "eval"), "--no-entropy"])
+    assert out.exit_code == 0, out.output
+    # an adapter whose base is gone, or with pickled weights only, is one line
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    config = json.loads((final / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/nowhere/base"}))
+    (moved / "adapter_model.safetensors").write_bytes((final / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match="base model '/nowhere/base' is not a local directory"):
+        load_model_and_tokenizer(str(moved))
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    (moved / "adapter_model.safetensors").unlink()
+    (moved / "adapter_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="pickled adapter adapter_model.bin refused"):
+        load_model_and_tokenizer(str(moved))

@@ -322,9 +322,11 @@ def load_hf_dataset(
                 a = gsm8k_final_answer(str(a))
             elif answer_format == "math_boxed":
                 a = last_boxed_answer(str(a))
+            if isinstance(q, list):
+                q = conversation(q, question_field)
         except (KeyError, ValueError) as exc:
             raise DataError(f"{where}: {exc.args[0]}") from None
-        out.append(Example(str(q), a, meta={"source": where}))
+        out.append(Example(q if isinstance(q, list) else str(q), a, meta={"source": where}))
     return out
 
 

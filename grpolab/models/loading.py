@@ -105,7 +105,7 @@ def load_adapter_model(path: str, dtype, device, gradient_checkpointing: bool, t
         model = peft.PeftModel.from_pretrained(base, str(p), is_trainable=False).merge_and_unload()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"{path}: cannot apply the LoRA adapter ({_first_line(exc)})") from None
-    return model.to(device)
+    return model.requires_grad_(True).to(device)  # peft froze the base; the merged model is an ordinary one
 
 
 def check_safe_weights(p: Path) -> None:
