@@ -1,5 +1,5 @@
 """``python -m grpolab`` is the ``grpolab`` command."""
 
-from .cli import app
+from .cli import main
 
-app(prog_name="grpolab")
+main()

@@ -345,5 +345,42 @@ def demo(
         _fail(str(exc))
 
 
+def boolean_flag_values(argv: list[str]) -> list[str]:
+    """One convention for every boolean on every command: ``--flag``, ``--flag true`` and ``--flag
+    false`` (config fields already take a value; typer's own flags — ``--overwrite``, ``--ei``,
+    ``--tools``, ``--entropy`` — take none, so a value after one is folded into the flag here)."""
+    command = typer.main.get_command(app)  # typer's own click (vendored in recent typer): duck-typed
+    name = next((a for a in argv if not a.startswith("-")), None)
+    sub = getattr(command, "commands", {}).get(name) if name else None
+    if sub is None:
+        return argv
+    flags: dict[str, str | None] = {}  # --flag -> its off form (None: drop it)
+    for param in sub.params:
+        if getattr(param, "is_flag", False) and getattr(param, "is_bool_flag", False):
+            for opt in param.opts:
+                flags[opt] = param.secondary_opts[0] if param.secondary_opts else None
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        value = argv[i + 1].lower() if arg in flags and i + 1 < len(argv) else None
+        if value in ("true", "false", "yes", "no", "1", "0"):
+            if value in ("true", "yes", "1"):
+                out.append(arg)
+            elif flags[arg] is not None:
+                out.append(flags[arg])
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def main() -> None:
+    """The ``grpolab`` command (``boolean_flag_values``, then the typer app)."""
+    import sys
+
+    app(args=boolean_flag_values(sys.argv[1:]), prog_name="grpolab")
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

@@ -69,13 +69,14 @@ def test_parse_overrides():
                                      "task": None, "model": "embedded:tiny", "show_progress": False}
     with pytest.raises(ConfigError, match="unexpected argument 'seed'"):
         parse_overrides(["seed", "3"])
-    with pytest.raises(ConfigError, match="--seed needs a value"):
-        parse_overrides(["--seed"])
+    with pytest.raises(ConfigError, match="--seed needs a value"):  # a bare --key is true only for a boolean
+        RunConfig.build(None, parse_overrides(["--seed"]))
 
 
 def test_data_source_and_accumulation_rules():
+    assert RunConfig.build(None, {"train_data": "x.jsonl"}).task is None  # a file alone means no embedded task
     with pytest.raises(ConfigError, match="exactly one of task"):
-        RunConfig.build(None, {"train_data": "x.jsonl"})
+        RunConfig.build(None, {"train_data": "x.jsonl", "task": "arithmetic"})
     with pytest.raises(ConfigError, match="exactly one of task"):
         RunConfig.build(None, {"task": None})
     with pytest.raises(ConfigError, match=r"train_batch_size \(10\) must be divisible by gradient_accumulation_steps \(4\)"):

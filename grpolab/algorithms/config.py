@@ -68,6 +68,10 @@ class BaseConfig(BaseModel):
             key = key.replace("-", "_")
             if key not in cls.model_fields:
                 raise ConfigError(f"unknown key '{key}' (command line); valid keys: {', '.join(cls.model_fields)}")
+            if value is BARE_FLAG:
+                if cls.model_fields[key].annotation not in (bool, bool | None):
+                    raise ConfigError(f"--{key.replace('_', '-')} needs a value")
+                value = True
             data[key] = value
         try:
             return cls(**data)
@@ -78,8 +82,20 @@ class BaseConfig(BaseModel):
         return self.model_dump(mode="json")
 
 
+class _BareFlag:
+    """A ``--key`` given without a value: ``true`` for a boolean field, an error for any other."""
+
+    def __repr__(self) -> str:
+        return "BARE_FLAG"
+
+
+BARE_FLAG = _BareFlag()
+
+
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``--key value`` / ``--key=value`` pairs -> dict; values parsed as YAML scalars/lists."""
+    """``--key value`` / ``--key=value`` pairs -> dict; values parsed as YAML scalars/lists. A
+    bare ``--key`` (at the end, or followed by another ``--option``) means ``true``, so every
+    boolean takes ``--flag``, ``--flag true`` and ``--flag false`` alike."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -90,9 +106,11 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
+        elif i + 1 >= len(args) or args[i + 1].startswith("--"):
+            out[key.replace("-", "_")] = BARE_FLAG  # true for a boolean field; any other needs a value
+            i += 1
+            continue
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"--{key} needs a value")
             raw = args[i + 1]
             i += 2
         try:
@@ -161,6 +179,15 @@ class RunConfig(BaseConfig):
     @property
     def total_steps(self) -> int:
         return int(getattr(self, self.steps_field))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _train_data_means_no_task(cls, data: Any) -> Any:
+        """``train_data`` given and ``task`` not: no embedded task (``task`` defaults to arithmetic
+        only for a config that names no data at all)."""
+        if isinstance(data, dict) and data.get("train_data") is not None and "task" not in data:
+            return {**data, "task": None}
+        return data
 
     @model_validator(mode="after")
     def _check_data(self):

@@ -23,6 +23,7 @@ from .tiny import build_char_tokenizer, build_tiny_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBEDDED_PREFIX = "embedded:"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+LOADER_OPTIONS = ("local_files_only", "is_local", "trust_remote_code", "cache_dir", "revision", "token")
 
 
 class ModelLoadError(ValueError):
@@ -145,6 +146,8 @@ def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bo
         tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise _load_error(path, "a tokenizer", exc) from None
+    for option in LOADER_OPTIONS:  # how it was loaded is not part of the tokenizer: never saved with it
+        tokenizer.init_kwargs.pop(option, None)
     return prepare_tokenizer(tokenizer, padding_side)
 
 
