@@ -34,6 +34,7 @@ vLLM's CPU worker otherwise drops the whole process (the trainer included) to on
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import random
@@ -62,6 +63,26 @@ def vllm_unavailable_reason() -> str | None:
     except ImportError as exc:
         return f"vLLM is not installed ({exc}); {INSTALL_HINT}"
     return None
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _BenignRotaryReload(logging.Filter):
+    """vLLM's layer-wise ``reload_weights`` warns "RotaryEmbedding: Failed to load weights" at every
+    sync: the rotary layer's cos/sin cache is a buffer computed from the config, not a checkpoint
+    weight, so a state dict has nothing for it and vLLM keeps its own (the sampler's log-probs still
+    equal the trainer's, tested). Read as a broken sync, it is dropped; any other layer's warning stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Failed to load weights" in message and "RotaryEmbedding" in message)
+
+
+def quiet_rotary_reload_warning() -> None:
+    log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _BenignRotaryReload) for f in log.filters):
+        log.addFilter(_BenignRotaryReload())
 
 
 def _engine_dir(model, tokenizer) -> tempfile.TemporaryDirectory:
@@ -118,6 +139,7 @@ class VLLMRolloutBackend:
             np.random.set_state(np_state)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.last_sync_s = 0.0
+        quiet_rotary_reload_warning()
         self.sync_weights(model)
 
     # ---------------------------------------------------------------- weights

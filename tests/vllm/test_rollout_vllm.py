@@ -89,6 +89,25 @@ def test_after_a_weight_sync_samples_come_from_the_new_weights(lm, engine):
     assert [r.response_ids for r in engine.generate(PROMPTS, 1, greedy)] == before
 
 
+def test_a_weight_sync_prints_no_rotary_failed_to_load_warning(lm, engine, capfd):
+    """vLLM's layer-wise reload warns about the rotary layer at every sync (its cos/sin cache is no
+    checkpoint weight): benign, and dropped so that nobody reads it as a broken sync."""
+    import logging
+
+    from grpolab.rollout.vllm import RELOAD_LOGGER
+
+    capfd.readouterr()
+    engine.sync_weights(lm[0])
+    out, err = capfd.readouterr()
+    assert "Failed to load weights" not in out + err
+    # any other layer's warning still gets through
+    kept = logging.getLogger(RELOAD_LOGGER).filter(logging.LogRecord(
+        RELOAD_LOGGER, logging.WARNING, "x", 1, "%s: Failed to load weights", ("QKVParallelLinear",), None))
+    dropped = logging.getLogger(RELOAD_LOGGER).filter(logging.LogRecord(
+        RELOAD_LOGGER, logging.WARNING, "x", 1, "%s: Failed to load weights", ("RotaryEmbedding",), None))
+    assert kept and not dropped
+
+
 @pytest.fixture(scope="module")
 def stops_engine(stops_tokenizer):
     backend = make_backend("vllm", bigram_model(stops_tokenizer, SPELLINGS["one token"]), stops_tokenizer,
