@@ -9,6 +9,20 @@ from ...rewards.tasks import arithmetic_reward_fn
 from ..datasets import Example
 from .base import Task, apply_op, wrong_value
 
+PHRASINGS = ("compact", "words")
+
+
+def in_words(compact: str) -> str:
+    """``3+4*-2`` -> ``What is 3 + 4 * -2?``: spaces around each operator (a sign stays on its number)."""
+    out, prev = [], None
+    for ch in compact:
+        if ch in "+-*" and prev is not None and prev.isdigit():
+            out.append(f" {ch} ")
+        else:
+            out.append(ch)
+        prev = ch
+    return f"What is {''.join(out)}?"
+
 
 @dataclass
 class ArithmeticTask(Task):
@@ -16,17 +30,25 @@ class ArithmeticTask(Task):
 
     Multiplication binds tighter than ``+``/``-``; the worked solution reduces one operation per
     step (multiplications first, then left to right).
+
+    ``phrasing``: ``compact`` (``3+4-2``, the default) or ``words`` (``What is 3 + 4 - 2?``, a
+    question a chat model reads as one). A words question is its compact form reworded after the
+    draw: the same questions, answers, worked solutions and splits (the split hashes the compact
+    form) whatever the phrasing.
     """
 
     digits: int = 1
     num_ops: int = 2
     ops: str = "+-"
+    phrasing: str = "compact"
     name = "arithmetic"
 
     def __post_init__(self):
         super().__post_init__()
         if self.digits < 1 or self.num_ops < 1 or not self.ops or set(self.ops) - set("+-*"):
             raise ValueError("arithmetic task: digits >= 1, num_ops >= 1, ops from '+-*'")
+        if self.phrasing not in PHRASINGS:
+            raise ValueError(f"arithmetic task: phrasing must be one of {', '.join(PHRASINGS)}, got {self.phrasing!r}")
         self.reward_fn = arithmetic_reward_fn
 
     def _make(self, rng: random.Random, wrong: bool) -> Example:
@@ -54,6 +76,15 @@ class ArithmeticTask(Task):
         final = wrong_value(values[0], rng) if wrong and self.wrong_kind == "answer" else values[0]
         solution = " ".join(steps) + f"</think> <answer>{final}</answer>"
         return Example(question, str(answer), solution)
+
+    def examples(self, split: str, n: int) -> list[Example]:
+        """The compact draw (so the split and order never depend on the phrasing), reworded."""
+        out = super().examples(split, n)
+        if self.phrasing == "words":
+            for ex in out:
+                ex.meta["compact_question"] = ex.question
+                ex.question = in_words(ex.question)
+        return out
 
     def wrong_solution(self, example: Example, rng: random.Random) -> str:
         head, _, rest = example.solution.rpartition("<answer>")
