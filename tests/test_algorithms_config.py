@@ -219,9 +219,14 @@ def test_rollout_backend_vllm_is_grpo_only_and_turns_the_is_correction_on():
         PPOConfig.build(overrides={"rollout_backend": "vllm"})
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("real/*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_file_is_valid(path):
     from grpolab.cli import _trainers
 
-    config_class = _trainers()[path.name.split("_")[0]][0]  # grpo_*.yaml -> GRPOConfig, ...
-    assert config_class.build(path).command == path.name.split("_")[0]
+    # grpo_*.yaml -> GRPOConfig, ...; configs/real/MODEL_METHOD_*.yaml name their method after the model
+    method = next(part for part in path.stem.split("_") if part in _trainers())
+    config = _trainers()[method][0].build(path)
+    assert config.command == method
