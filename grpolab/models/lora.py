@@ -47,7 +47,7 @@ def base_reference(model: str) -> str:
     directory as an absolute path, so the adapter loads from any working directory."""
     from pathlib import Path
 
-    return model if model.startswith("embedded:") or Path(model).is_absolute() else str(Path(model).resolve())
+    return model if model.startswith("embedded:") else str(Path(model).expanduser().resolve())
 
 
 def is_lora(model) -> bool:
