@@ -9,6 +9,7 @@ from grpolab.core import (
     compute_entropy,
     get_response_log_probs,
     log_probs_from_logits,
+    pack_rows,
     sum_response_log_probs,
     tokenize_prompt_and_output,
 )
@@ -160,3 +161,44 @@ def test_tempered_log_probs_gradcheck():
     labels = torch.randint(0, 5, (2, 3))
     assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, True, temperature=0.7), (logits,))
     assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, True, temperature=1.0), (logits,))
+
+
+# ---------------------------------------------------------------- chunks (models: tests/test_models_memory.py)
+
+
+def test_log_probs_from_logits_chunks_with_the_same_values_and_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 7))
+    lp, ent = log_probs_from_logits(logits, labels, True, temperature=0.6)
+    g_ref = torch.autograd.grad(lp.sum() + ent.sum(), logits)[0]
+    lp2, ent2 = log_probs_from_logits(logits, labels, True, temperature=0.6, chunk_tokens=4)
+    g = torch.autograd.grad(lp2.sum() + ent2.sum(), logits)[0]
+    assert torch.allclose(lp, lp2, atol=1e-13) and torch.allclose(ent, ent2, atol=1e-13)
+    assert torch.allclose(g, g_ref, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, True, temperature=0.6, chunk_tokens=4),
+                                    (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_never_overwrites_the_callers_logits(dtype):
+    torch.manual_seed(4)
+    logits = (torch.randn(2, 6, 9) * 3).to(dtype)
+    before = logits.clone()
+    labels = torch.randint(0, 9, (2, 6))
+    with torch.no_grad():
+        for chunk in (None, 5):
+            lp, ent = log_probs_from_logits(logits, labels, True, temperature=0.5, chunk_tokens=chunk)
+    assert torch.equal(logits, before)
+    # the in-place arithmetic on a private float32 copy gives the out-of-place results bit for bit
+    ref_lp, ref_ent = log_probs_from_logits(logits.float().requires_grad_(), labels, True, temperature=0.5,
+                                            chunk_tokens=5)
+    assert torch.equal(lp, ref_lp.detach()) and torch.equal(ent, ref_ent.detach())
+
+
+def test_pack_rows():
+    assert pack_rows([3, 3, 3, 3], 6) == [[0, 1], [2, 3]]
+    assert pack_rows([2, 9, 2], 8) == [[0], [1], [2]]  # a row longer than the budget goes alone
+    assert pack_rows([1, 2, 3], 100) == [[0, 1, 2]]
+    with pytest.raises(ValueError):
+        pack_rows([1], 0)

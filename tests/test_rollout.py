@@ -252,6 +252,68 @@ def test_fast_decoder_matches_the_hugging_face_forward(arch):
             assert torch.allclose(nxt[row], ref[-1], atol=1e-4)
 
 
+class _FreshAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest attention-shaped (4-D or more: batch, heads, positions, head dim) tensor any op allocates
+    (outputs that share no storage with an input: views and in-place writes into the cache do not
+    count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 3), (4, 4), (6, 1)])
+def test_fast_decoder_grouped_query_attention_matches_hf_without_copying_the_cache(heads, kv_heads):
+    """GQA (SmolLM2: 9 query / 3 key-value heads): prefill, several steps, dropped and repeated rows
+    give the Hugging Face logits, and a decode step allocates nothing the size of a layer's cache
+    (expanding the key/value heads to the query heads would)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpolab.rollout import fast_decoder
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                         max_position_embeddings=128)).eval()
+    dec = fast_decoder.FastDecoder(model)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    steps = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    with torch.no_grad():
+        logits = [dec.prefill(ids, mask, max_new=40)]
+        for t in range(3):
+            logits.append(dec.step(torch.tensor([s[t] for s in steps])))
+        # rows leave and groups fan out, as in sampling: drop row 1, then two copies of each row
+        dec.select(torch.tensor([0, 2]))
+        dec.repeat(2)
+        logits.append(dec.step(torch.tensor([40, 41, 42, 43])))
+        mode = _FreshAllocations()
+        with mode:
+            logits.append(dec.step(torch.tensor([50, 51, 52, 53])))
+        for row, p in enumerate(prompts):
+            ref = model(torch.tensor([p + steps[row]])).logits[0]
+            for t in range(4):
+                assert torch.allclose(logits[t][row], ref[len(p) - 1 + t], atol=1e-4), (row, t)
+        for new_row, (row, a, b) in enumerate([(0, 40, 50), (0, 41, 51), (2, 42, 52), (2, 43, 53)]):
+            ref = model(torch.tensor([prompts[row] + steps[row] + [a, b]])).logits[0]
+            assert torch.allclose(logits[4][new_row], ref[-2], atol=1e-4)
+            assert torch.allclose(logits[5][new_row], ref[-1], atol=1e-4)
+    head_dim = 48 // heads
+    live_keys = 4 * kv_heads * (width + 5) * head_dim  # one layer's cached keys after the 5th step
+    assert mode.largest < live_keys, (mode.largest, live_keys)
+
+
 def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):
     try:  # the light venv has no vLLM (tests/vllm run in .venv-vllm)
         import vllm  # noqa: F401

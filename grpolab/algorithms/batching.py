@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import build_sequences, get_response_log_probs
+from ..core import build_sequences, get_response_log_probs, pack_rows
 
 
 def plan_microbatches(
@@ -158,14 +158,26 @@ def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Te
 
 
 @torch.inference_mode()
-def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float) -> torch.Tensor:
-    """Log-probs of every row of a rollout batch without gradients (old policy, reference)."""
+def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float,
+                      token_budget: int | None = None) -> torch.Tensor:
+    """Log-probs of every row of a rollout batch without gradients (old policy, reference).
+
+    At most ``rows_per_pass`` rows per forward, and (in one process or under DDP) at most
+    ``token_budget`` padded tokens (default ``core.logprobs.INFERENCE_TOKEN_BUDGET``); the logits
+    themselves are chunked by ``get_response_log_probs``. Under FSDP2/ZeRO-3 a forward is a
+    collective, so every rank keeps the same fixed slices of ``rows_per_pass`` rows."""
+    from . import distributed
+
     tensors = batch.tensors()
     out = torch.zeros(batch.labels.shape)
+    lengths = [len(p) + len(r) - 1 for p, r, _ in batch.sequences]
     for start in range(0, len(batch.sequences), rows_per_pass):
         rows = list(range(start, min(len(batch.sequences), start + rows_per_pass)))
-        mb = take_rows(tensors, rows, device)
-        with autocast():
-            lp = get_response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature)["log_probs"]
-        out[rows, : lp.shape[1]] = lp.float().cpu()
+        groups = [rows] if distributed.current().sharded else [
+            [rows[i] for i in group] for group in pack_rows([lengths[r] for r in rows], token_budget)]
+        for group in groups:
+            mb = take_rows(tensors, group, device)
+            with autocast():
+                lp = get_response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature)["log_probs"]
+            out[group, : lp.shape[1]] = lp.float().cpu()
     return out

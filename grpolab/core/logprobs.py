@@ -1,10 +1,37 @@
-"""Per-token log-probabilities, entropy and prompt/response tokenisation (CS336 A5 §4.2)."""
+"""Per-token log-probabilities, entropy and prompt/response tokenisation (CS336 A5 §4.2).
+
+Memory. A real vocabulary makes the logits the largest tensor of a forward: (batch, seq, vocab)
+float32 is 6.4 GB for 32 rows of 1024 tokens over 49k tokens, and a log-softmax makes copies of it.
+Here log-probs and entropies are computed over chunks of positions, so at most one (chunk, vocab)
+block of logits (``LOGITS_CHUNK_BYTES``, float32) and the few temporaries of its log-softmax exist
+at a time, however many rows there are:
+
+- for the Llama-family models of ``CHUNKED_HEAD_MODEL_TYPES`` the model's own forward runs as
+  usual (engines and hooks see an ordinary call) while its output head is swapped, for that one
+  call, for a chunked head that returns each position's log-prob and entropy instead of its logits;
+- for any other model the logits come from its forward and only the log-softmax is chunked.
+
+With gradients, each chunk is checkpointed (``torch.utils.checkpoint``): the backward recomputes a
+chunk's logits instead of keeping every chunk's, and the gradient equals the unchunked one.
+Inference callers also bound the rows of a forward by tokens (``pack_rows``, ``INFERENCE_TOKEN_BUDGET``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# one (chunk, vocab) float32 logits block at most: 128 MiB is 682 positions of a 49k vocabulary
+LOGITS_CHUNK_BYTES = 128 * 2**20
+# rows x padded length of one forward in the inference paths (eval entropies, old/reference log-probs)
+INFERENCE_TOKEN_BUDGET = 8192
+# models whose forward is `logits = lm_head(last hidden state)` with nothing after it (no soft-capping
+# or logit scaling): their head can be chunked inside the forward. Others fall back to chunking the
+# log-softmax of the logits their forward returns.
+CHUNKED_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_POST_HEAD_CONFIG = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -29,32 +56,201 @@ def _check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
+def logits_chunk_tokens(vocab_size: int, chunk_tokens: int | None = None) -> int:
+    """Positions per logits block: ``chunk_tokens`` when given, else as many as fit one
+    ``LOGITS_CHUNK_BYTES`` float32 block of ``vocab_size`` columns."""
+    if chunk_tokens is not None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        return int(chunk_tokens)
+    return max(1, LOGITS_CHUNK_BYTES // (4 * max(1, int(vocab_size))))
+
+
+def _token_stats(logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool, temperature: float,
+                 owned: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, V) logits, (N,) labels -> (N,) log-probs under softmax(logits / T) and entropies. One
+    logsumexp serves both; the (N, V) log-softmax is never materialised. ``owned``: the logits are a
+    temporary nobody else reads and no gradient flows, so they may be overwritten (fewer copies; the
+    values are the same bit for bit)."""
+    inplace = (owned or logits.dtype in (torch.float16, torch.bfloat16)) and not (
+        torch.is_grad_enabled() and logits.requires_grad)
+    logits = _upcast(logits)
+    if temperature != 1.0:
+        logits = logits.div_(temperature) if inplace else logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    label_logits = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    log_probs = label_logits - lse
+    entropy = None
+    if want_entropy:
+        probs = (logits - lse.unsqueeze(-1)).exp_()
+        entropy = lse - (probs.mul_(logits) if inplace else probs * logits).sum(dim=-1)
+    return log_probs, entropy
+
+
+def _chunked_stats(source: torch.Tensor, labels: torch.Tensor, to_logits: Callable[[torch.Tensor], torch.Tensor],
+                   want_entropy: bool, temperature: float, step: int, *, owned: bool,
+                   needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_token_stats(to_logits(source[i:i+step]))`` over chunks of ``step`` rows of ``source``
+    (N, D). With ``needs_grad`` and more than one chunk each chunk is checkpointed, so only one
+    chunk's logits and their autograd state exist at a time, in the forward and in the backward."""
+    n = source.shape[0]
+
+    def stats(src: torch.Tensor, lab: torch.Tensor):
+        return _token_stats(to_logits(src), lab, want_entropy, temperature, owned)
+
+    if n <= step:
+        return stats(source, labels)
+    parts = []
+    for i in range(0, n, step):
+        src, lab = source[i : i + step], labels[i : i + step]
+        parts.append(checkpoint(stats, src, lab, use_reentrant=False) if needs_grad else stats(src, lab))
+    log_probs = torch.cat([p[0] for p in parts])
+    return log_probs, (torch.cat([p[1] for p in parts]) if want_entropy else None)
+
+
 def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     return_token_entropy: bool = False,
     *,
     temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``labels`` (batch, seq) under ``softmax(logits / temperature)``, logits
     (batch, seq, vocab), and that distribution's per-position entropy when asked (else None).
 
     ``temperature`` (> 0) is the sampler's: the policy being optimised is the tempered softmax
     that drew the tokens (as TRL and veRL do). One logsumexp serves both outputs; the
-    (batch, seq, vocab) log-softmax is never materialised. bf16/fp16 logits are reduced in float32.
+    (batch, seq, vocab) log-softmax is never materialised, and its temporaries exist for one
+    chunk of ``chunk_tokens`` positions at a time (default: ``LOGITS_CHUNK_BYTES`` of float32;
+    checkpointed when gradients flow). bf16/fp16 logits are reduced in float32.
     """
     temperature = _check_temperature(temperature)
-    logits = _upcast(logits)
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    label_logits = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
-    log_probs = label_logits - lse
-    entropy = None
+    vocab = logits.shape[-1]
+    step = logits_chunk_tokens(vocab, chunk_tokens)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    log_probs, entropy = _chunked_stats(logits.reshape(-1, vocab), labels.reshape(-1), lambda z: z,
+                                        return_token_entropy, temperature, step, owned=False, needs_grad=needs_grad)
+    log_probs = log_probs.view(labels.shape)
+    return log_probs, (entropy.view(labels.shape) if return_token_entropy else None)
+
+
+# ---------------------------------------------------------------- the output head, chunked
+
+
+def unwrap_model(model: Any) -> Any:
+    """The Hugging Face model inside engine and adapter wrappers: DDP and DeepSpeed (``.module``),
+    a LoRA model with its adapter disabled (``._policy``). A peft model answers for its base."""
+    for _ in range(8):
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_policy", None)
+        if inner is None or not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def output_head(model: Any) -> torch.nn.Module | None:
+    """The output projection (``lm_head``) of a model whose forward ends with it, or None when
+    the model is not one of ``CHUNKED_HEAD_MODEL_TYPES`` (or its config scales or caps the logits
+    after the head): those are scored from the logits their forward returns."""
+    inner = unwrap_model(model)
+    cfg = getattr(inner, "config", None)
+    if getattr(cfg, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+        return None
+    if any(getattr(cfg, name, None) not in (None, 1, 1.0) for name in _POST_HEAD_CONFIG):
+        return None
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+class _ChunkedHead:
+    """For one forward call, ``head`` returns (batch, seq, 2) = (log-prob of ``labels``, entropy)
+    (or (batch, seq, 1) without entropy) computed over chunks of positions, instead of the
+    (batch, seq, vocab) logits. The head's own forward (or an instance-level wrapper of it, such
+    as ``models.precision``'s float32 head) computes each chunk's logits."""
+
+    def __init__(self, head, labels, want_entropy: bool, temperature: float, chunk_tokens: int | None,
+                 keep_hidden: bool, vocab_size: int | None):
+        self.head, self.labels, self.want_entropy = head, labels, want_entropy
+        self.temperature, self.keep_hidden = temperature, keep_hidden
+        vocab = getattr(head, "out_features", None) or vocab_size or 1
+        self.step = logits_chunk_tokens(vocab, chunk_tokens)
+        self.used, self.hidden = False, None
+
+    def __enter__(self):
+        self.previous = self.head.__dict__.get("forward")
+        self.inner = self.head.forward  # the instance wrapper if any, else the class's forward
+        self.head.forward = self._forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            del self.head.forward
+        else:
+            self.head.forward = self.previous
+        return False
+
+    def _forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.used or args or kwargs or tuple(hidden.shape[:-1]) != tuple(self.labels.shape):
+            return self.inner(hidden, *args, **kwargs)  # not the call we expected: plain logits
+        self.used = True
+        if self.keep_hidden:
+            self.hidden = hidden
+        needs_grad = torch.is_grad_enabled() and (
+            hidden.requires_grad or any(p.requires_grad for p in self.head.parameters()))
+        log_probs, entropy = _chunked_stats(hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1), self.inner,
+                                            self.want_entropy, self.temperature, self.step, owned=True,
+                                            needs_grad=needs_grad)
+        packed = torch.stack([log_probs, entropy], -1) if self.want_entropy else log_probs.unsqueeze(-1)
+        return packed.view(*self.labels.shape, packed.shape[-1])
+
+
+def log_probs_from_forward(
+    model: Any,
+    labels: torch.Tensor,
+    forward: Callable[..., Any],
+    return_token_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    return_last_hidden: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Log-probs of ``labels`` (batch, seq) under softmax(logits / ``temperature``) of the forward
+    ``forward(**extra)`` of ``model`` (a closure calling the model, or its engine wrapper, on the
+    inputs whose logits line up with ``labels``), without the (batch, seq, vocab) logits: see the
+    module doc. Returns ``log_probs``, ``token_entropy`` when asked, and ``last_hidden_state`` (the
+    head's input, (batch, seq, hidden)) when asked."""
+    temperature = _check_temperature(temperature)
+    head = output_head(model)
+    out: dict[str, torch.Tensor] = {}
+    if head is not None:
+        cfg = getattr(unwrap_model(model), "config", None)
+        with _ChunkedHead(head, labels, return_token_entropy, temperature, chunk_tokens, return_last_hidden,
+                          getattr(cfg, "vocab_size", None)) as chunked:
+            result = forward()
+        if chunked.used:
+            packed = result.logits
+            out["log_probs"] = packed[..., 0]
+            if return_token_entropy:
+                out["token_entropy"] = packed[..., 1]
+            if return_last_hidden:
+                out["last_hidden_state"] = chunked.hidden
+            return out
+        if return_last_hidden:
+            raise RuntimeError("the model's forward did not call its output head on the labels' positions")
+    else:
+        result = forward(**({"output_hidden_states": True} if return_last_hidden else {}))
+        if return_last_hidden:
+            out["last_hidden_state"] = result.hidden_states[-1]
+    log_probs, entropy = log_probs_from_logits(result.logits, labels, return_token_entropy, temperature=temperature,
+                                               chunk_tokens=chunk_tokens)
+    out["log_probs"] = log_probs
     if return_token_entropy:
-        probs = torch.exp(logits - lse.unsqueeze(-1))
-        entropy = lse - (probs * logits).sum(dim=-1)
-    return log_probs, entropy
+        out["token_entropy"] = entropy
+    return out
 
 
 def get_response_log_probs(
@@ -65,6 +261,8 @@ def get_response_log_probs(
     *,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    return_last_hidden: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Log-probabilities of ``labels`` under a causal LM (CS336 A5 ``get_response_log_probs``).
 
@@ -73,15 +271,38 @@ def get_response_log_probs(
     log-probs in ratios and KLs are of the distribution that drew the tokens). No masking and no
     ``no_grad`` here: the caller decides. ``attention_mask`` (keyword-only, optional) is passed to
     the model; right-padded batches do not need it for the non-pad positions.
+
+    The logits are never whole: at most ``chunk_tokens`` positions of them at a time (default: one
+    ``LOGITS_CHUNK_BYTES`` float32 block), with the same values and gradients as the unchunked
+    computation (``log_probs_from_forward``). ``return_last_hidden`` adds ``"last_hidden_state"``
+    (batch, seq, hidden), the output head's input (PPO's value head reads it).
     """
-    _check_temperature(temperature)  # before the forward pass
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    logits = model(input_ids, **kwargs).logits
-    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy, temperature=temperature)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        out["token_entropy"] = entropy
-    return out
+    return log_probs_from_forward(model, labels, lambda **extra: model(input_ids, **kwargs, **extra),
+                                  return_token_entropy, temperature=temperature, chunk_tokens=chunk_tokens,
+                                  return_last_hidden=return_last_hidden)
+
+
+def pack_rows(lengths: Sequence[int], token_budget: int | None = None) -> list[list[int]]:
+    """Consecutive row indices grouped so that each group's padded size (rows x its longest row)
+    stays within ``token_budget`` (default ``INFERENCE_TOKEN_BUDGET``); a row longer than the budget
+    is a group of its own. Inference paths run one forward per group."""
+    budget = INFERENCE_TOKEN_BUDGET if token_budget is None else int(token_budget)
+    if budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, length in enumerate(lengths):
+        candidate = max(longest, int(length))
+        if current and candidate * (len(current) + 1) > budget:
+            groups.append(current)
+            current, candidate = [], int(length)
+        current.append(i)
+        longest = candidate
+    if current:
+        groups.append(current)
+    return groups
 
 
 def tokenize_prompt_and_output(

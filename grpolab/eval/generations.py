@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..core import build_sequences, get_response_log_probs, pad_token_id
+from ..core import build_sequences, get_response_log_probs, pack_rows, pad_token_id
 from ..rollout import Rollout
 from .evaluation import EvalResult
 from .mode import eval_mode
@@ -19,10 +19,15 @@ def token_entropies(
     batch_size: int = 64,
     *,
     temperature: float = 1.0,
+    token_budget: int | None = None,
 ) -> list[float]:
     """Mean per-token entropy of each response under ``model`` at the sampling ``temperature``
     (the distribution the tokens were drawn from: logits / temperature; temperature 0, greedy,
-    reports the untempered distribution). Dropout is off during the forwards."""
+    reports the untempered distribution). Dropout is off during the forwards.
+
+    A forward takes at most ``batch_size`` rows and ``token_budget`` padded tokens (default
+    ``core.logprobs.INFERENCE_TOKEN_BUDGET``), and ``get_response_log_probs`` computes the logits a
+    chunk of positions at a time, so memory does not grow with the number of rollouts."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     scale = temperature if temperature > 0 else 1.0
@@ -32,16 +37,20 @@ def token_entropies(
         device = next(model.parameters()).device
         for i in range(0, len(rollouts), batch_size):
             chunk = rollouts[i : i + batch_size]
-            if not any(r.response_ids for r in chunk):
-                out.extend(0.0 for _ in chunk)
-                continue
-            seq = build_sequences([r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad)
-            ent = get_response_log_probs(model, seq["input_ids"].to(device), seq["labels"].to(device),
-                                         return_token_entropy=True, temperature=scale)["token_entropy"].cpu()
-            mask = seq["response_mask"]
-            for row in range(len(chunk)):
-                n_tok = int(mask[row].sum())
-                out.append(float((ent[row] * mask[row]).sum() / n_tok) if n_tok else 0.0)
+            lengths = [len(r.prompt_ids) + len(r.response_ids) - 1 for r in chunk]
+            for group in pack_rows(lengths, token_budget):
+                rows = [chunk[j] for j in group]
+                if not any(r.response_ids for r in rows):
+                    out.extend(0.0 for _ in rows)
+                    continue
+                seq = build_sequences([r.prompt_ids for r in rows], [r.response_ids for r in rows], pad)
+                ent = get_response_log_probs(model, seq["input_ids"].to(device), seq["labels"].to(device),
+                                             return_token_entropy=True, temperature=scale)["token_entropy"]
+                ent = ent.float().cpu()
+                mask = seq["response_mask"]
+                for row in range(len(rows)):
+                    n_tok = int(mask[row].sum())
+                    out.append(float((ent[row] * mask[row]).sum() / n_tok) if n_tok else 0.0)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Model and tokenizer loading/saving (``loading``), the embedded tiny model (``tiny``) and the
-shared-prompt training forward (``shared_prefix``)."""
+"""Model and tokenizer loading/saving (``loading``), the embedded tiny model (``tiny``), the
+shared-prompt training forward (``shared_prefix``) and float32 logits under autocast (``precision``)."""
 
 from .loading import (
     DTYPES,
@@ -14,10 +14,11 @@ from .loading import (
     resolve_dtype,
     save_model_and_tokenizer,
 )
+from .precision import logits_fp32_enabled, set_logits_fp32
 from .tiny import TINY_SIZES, build_char_tokenizer, build_tiny_model
 
 __all__ = [
     "DTYPES", "EMBEDDED_PREFIX", "ModelLoadError", "TINY_SIZES", "build_char_tokenizer", "build_tiny_model",
-    "check_safe_weights", "load_model", "load_model_and_tokenizer", "load_tokenizer", "model_directory",
-    "prepare_tokenizer", "resolve_dtype", "save_model_and_tokenizer",
+    "check_safe_weights", "load_model", "load_model_and_tokenizer", "load_tokenizer", "logits_fp32_enabled",
+    "model_directory", "prepare_tokenizer", "resolve_dtype", "save_model_and_tokenizer", "set_logits_fp32",
 ]

@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from ..core import log_probs_from_logits
+from ..core import log_probs_from_forward, log_probs_from_logits
 
 
 def _cache_kw(model) -> str:
@@ -42,11 +42,13 @@ def shared_prefix_response_log_probs(
     return_token_entropy: bool = False,
     *,
     temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Log-probs (of softmax(logits / ``temperature``)) of each row's response tokens, in *response layout*: (R, Tr) with column ``j`` the
     ``j``-th response token. ``prompt_ids`` holds the distinct prompts; ``prompt_of_row[r]``
     says which one row ``r`` continues. Returns ``log_probs``, ``response_mask`` (bool) and, when
-    asked, ``token_entropy``."""
+    asked, ``token_entropy``. Logits are computed ``chunk_tokens`` positions at a time (see
+    ``core.get_response_log_probs``)."""
     n_rows = len(response_ids)
     if n_rows == 0:
         raise ValueError("no rows")
@@ -75,16 +77,23 @@ def shared_prefix_response_log_probs(
         labels[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         resp_mask[i, : len(r)] = True
     labels, resp_mask = labels.to(device), resp_mask.to(device)
+    # the first response token's log-prob comes from the prompt pass: (rows, 1, vocab) logits at most
+    log_probs, entropy = log_probs_from_logits(first_logits, labels[:, :1], return_token_entropy,
+                                               temperature=temperature, chunk_tokens=chunk_tokens)
     if t_resp > 1:
         cache.batch_select_indices(index)
         inputs = labels[:, :-1]
         attn = torch.cat([p_mask.index_select(0, index), resp_mask[:, :-1].long()], dim=1)
         pos = torch.tensor(p_len, device=device).index_select(0, index)[:, None] + torch.arange(t_resp - 1, device=device)
-        rest = model(input_ids=inputs, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}).logits
-        logits = torch.cat([first_logits, rest], dim=1)
-    else:
-        logits = first_logits
-    log_probs, entropy = log_probs_from_logits(logits, labels, return_token_entropy, temperature=temperature)
+        # the rest without their (rows, t_resp - 1, vocab) logits: chunked over positions (core.logprobs)
+        rest = log_probs_from_forward(
+            model, labels[:, 1:],
+            lambda **extra: model(input_ids=inputs, attention_mask=attn, position_ids=pos, use_cache=True,
+                                  **{kw: cache}, **extra),
+            return_token_entropy, temperature=temperature, chunk_tokens=chunk_tokens)
+        log_probs = torch.cat([log_probs, rest["log_probs"]], dim=1)
+        if return_token_entropy:
+            entropy = torch.cat([entropy, rest["token_entropy"]], dim=1)
     result = {"log_probs": log_probs, "response_mask": resp_mask}
     if return_token_entropy:
         result["token_entropy"] = entropy
@@ -112,7 +121,8 @@ def response_to_label_layout(values: torch.Tensor, prompt_lengths: list[int], re
 
 
 def shared_prefix_rows(model, sequences: list[tuple[list[int], list[int], int]], rows: list[int], pad_id: int,
-                       device, *, temperature: float = 1.0, return_token_entropy: bool = False) -> dict:
+                       device, *, temperature: float = 1.0, return_token_entropy: bool = False,
+                       chunk_tokens: int | None = None) -> dict:
     """``shared_prefix_response_log_probs`` for ``rows`` of a rollout batch whose ``sequences[r]``
     is (prompt ids, response ids, prompt index): each distinct prompt index is run once. Adds the
     rows' ``prompt_lengths`` and ``response_lengths`` for re-laying per-token tensors."""
@@ -125,7 +135,8 @@ def shared_prefix_rows(model, sequences: list[tuple[list[int], list[int], int]],
             prompts.append(p_ids)
         prompt_of_row.append(distinct[p_index])
     out = shared_prefix_response_log_probs(model, prompts, [sequences[r][1] for r in rows], prompt_of_row, pad_id,
-                                           device, return_token_entropy, temperature=temperature)
+                                           device, return_token_entropy, temperature=temperature,
+                                           chunk_tokens=chunk_tokens)
     out["prompt_lengths"] = [len(sequences[r][0]) for r in rows]
     out["response_lengths"] = [len(sequences[r][1]) for r in rows]
     return out
