@@ -20,3 +20,12 @@ def failing_tool(query: str) -> str:
 
 def int_tool(query: str) -> str:
     return 7  # not a str: an error observation
+
+
+def huge_tool(query: str) -> str:
+    return "<ans" + "wer>" + "x" * (int(query) << 20)  # query MB of output
+
+
+def hog_tool(query: str) -> str:
+    block = bytearray(int(query) << 20)  # query MB of address space (untouched: no real memory)
+    return f"allocated {len(block) >> 20} MB"

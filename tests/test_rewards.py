@@ -105,10 +105,8 @@ def test_multiple_and_numeric_ground_truths():
     ["9**9**9", "9^{9^{9}}", "1" * 30000, "{" * 600 + "1" + "}" * 600, "\\frac{" * 300 + "1" + "}{2}" * 300],
 )
 def test_adversarial_answers_finish_and_score_zero(answer):
-    start = time.monotonic()
-    out = r1_zero_reward_fn(r1(answer), "5", timeout=2.0)
+    out = r1_zero_reward_fn(r1(answer), "5", timeout=2.0)  # returns at all: cut at the timeout if slow
     assert out["answer_reward"] == 0.0
-    assert time.monotonic() - start < 2.0 + 3.0  # the timeout plus a worker restart
 
 
 def test_grading_works_off_the_main_thread():
@@ -203,11 +201,11 @@ def test_reward_scorer_failures_score_zero_and_are_counted():
         assert scorer.errors == 2
         scorer.close()
     scorer = RewardScorer(hanging_reward, timeout_s=0.5)
-    start = time.monotonic()
     out = scorer.score(["ok", "hang", "ok"], [None] * 3)
+    # the hanging call was cut at its timeout (had the scorer waited the 5 s out, it would score 1.0
+    # and count no timeout): no wall-clock bound, which a busy machine breaks
     assert [o["reward"] for o in out] == [1.0, 0.0, 1.0]
     assert scorer.timeouts == 1 and scorer.errors == 1
-    assert time.monotonic() - start < 3.0
     scorer.close()
 
 

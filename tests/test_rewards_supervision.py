@@ -68,9 +68,7 @@ def test_hanging_reward_times_out_and_the_scorer_stays_usable(rewards_module):
         with RewardScorer(f"{rewards_module}:{name}", timeout_s=1.0) as scorer:
             assert scorer.mode == "process"
             scorer.score(["warm"], [None])  # start-up (imports) is not part of any item's time
-            start = time.monotonic()
-            out = scorer.score(["a", "hang", "b"], [None] * 3)
-            assert time.monotonic() - start < 6.0
+            out = scorer.score(["a", "hang", "b"], [None] * 3)  # "hang" never returns: cut at the timeout
             assert [o["reward"] for o in out] == [1.0, 0.0, 1.0] and out[1] == ZERO
             assert scorer.errors == 1 and scorer.timeouts == 1 and "timed out after 1.0s" in scorer.last_error
             assert [o["reward"] for o in scorer.score(["c", "d"], [None, None])] == [1.0, 1.0]
@@ -90,10 +88,9 @@ def test_a_dying_reward_is_an_error_event_not_the_end(rewards_module, name, trig
 
 def test_restarts_are_capped_per_batch(rewards_module):
     with RewardScorer(f"{rewards_module}:die", timeout_s=10.0, max_restarts=2) as scorer:
-        start = time.monotonic()
         out = scorer.score(["die"] * 20, [None] * 20)
         assert all(o == ZERO for o in out) and scorer.errors == 20
-        assert "max_restarts=2" in scorer.last_error and time.monotonic() - start < 15.0
+        assert "max_restarts=2" in scorer.last_error and scorer.worker_deaths <= 3  # not one restart per item
         assert scorer.score(["ok"], [None])[0]["reward"] == 1.0
 
 

@@ -4,7 +4,9 @@ Every step the trainer reports: the fraction of groups whose rewards are all equ
 zero advantage, so zero gradient), the truncation rate, the format-failure rate apart from the
 wrong-answer rate, reward-function errors, and the mean |sampler log-prob - trainer log-prob| on
 the sampled tokens. ``HealthMonitor.update`` returns a one-paragraph diagnosis, once per problem,
-when a condition holds for ``window`` consecutive steps (errors and mismatch at once).
+when a condition holds for ``window`` consecutive steps (errors and mismatch at once). With tools,
+``tool_errors_per_rollout`` (``tools/errors_per_rollout`` works too) at or above
+``tool_error_threshold`` for ``window`` steps says the tools keep failing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class HealthMonitor:
     window: int = 5
     truncation_threshold: float = 0.5
     logprob_mismatch_threshold: float = 0.05
+    tool_error_threshold: float = 0.5
     stop_on_unhealthy: bool = False
     _streaks: dict[str, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
@@ -59,6 +62,14 @@ class HealthMonitor:
                 f"The reward function failed on {int(m['reward_errors'])} responses this step (raised, timed out, or "
                 "returned a non-number/NaN); those samples scored 0. Last error: "
                 f"{m.get('last_reward_error') or 'unknown'}. Fix the reward function or raise reward_timeout_s.")))
+        tool_errors = m.get("tool_errors_per_rollout", m.get("tools/errors_per_rollout"))
+        failing = tool_errors is not None and tool_errors >= self.tool_error_threshold
+        if self._streak("tool_errors", failing) >= self.window:
+            found.append(("tool_errors", (
+                f"Tool calls keep failing: {tool_errors:.2f} errors per rollout for {self.window} steps (a tool that "
+                "raises, times out, runs out of memory or crashes, or malformed calls). The model reads "
+                "'<result>error: ...</result>' instead of results: check the tool (run it on the logged queries), "
+                "raise tool_timeout_s or worker_memory_limit_mb, or look at the calls in samples/.")))
         if m.get("logprob_mismatch", 0.0) > self.logprob_mismatch_threshold:
             found.append(("logprob_mismatch", (
                 f"Sampler and trainer disagree on the sampled tokens' log-probs (mean |diff| "

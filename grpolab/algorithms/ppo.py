@@ -191,7 +191,7 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
             t0 = time.perf_counter()
             batch_q = [inputs.train[i] for i in questions.next(cfg.rollout_batch_size // cfg.group_size)]
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch_q], cfg.group_size, sampling)
-            scores = scorer.score([r.response for r in rollouts], [batch_q[r.prompt_index].answer for r in rollouts])
+            scores = scorer.score([r.scored_response for r in rollouts], [batch_q[r.prompt_index].answer for r in rollouts])
             score = torch.tensor([s["reward"] for s in scores])
             rollout_s = time.perf_counter() - t0
             batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad)

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from ..data import DataError
+from ..envs import EnvSettings
 
 
 def context_length(model) -> int | None:
@@ -104,6 +105,12 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
 
     def check(model, tokenizer, device) -> None:
         limit, longest = context_length(model), 0
+        env = getattr(cfg, "env", None)
+        default = EnvSettings.model_fields["max_total_tokens"].default
+        env_tokens = None if env is None else env.get("max_total_tokens", default)
+        if limit is not None and env_tokens is not None and env_tokens >= limit:  # tools: prompt + turns must fit too
+            raise DataError(f"env.max_total_tokens ({env_tokens}) must be below the model's context of {limit} tokens "
+                            "(the prompt, the model's turns and the observations share it)")
         for name in ("train", "evals") if check_train else ("evals",):
             examples = getattr(inputs, name)
             lengths = prompt_lengths(examples, inputs.template, tokenizer)  # tokenised once for both checks

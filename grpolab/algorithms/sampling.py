@@ -37,13 +37,17 @@ class ScoredGroups:
 def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tuple[list, list[dict], torch.Tensor]:
     """Sample and score one batch of prompts; the rewards include the overlong penalty when asked."""
     rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
-    scores = scorer.score([r.response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts])
+    scores = scorer.score([r.scored_response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts])
     scores = apply_call_cost(scores, rollouts, getattr(cfg, "call_cost", 0.0))  # tool use: a price per call
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_buffer_len:
+        # a multi-turn response (tool observations included) is bounded by the environment's total
+        # budget, not by one turn's sampling_max_tokens: measured against that, a short answer after a
+        # long observation would be punished as overlong
+        env = getattr(backend, "env", None)
+        limit = env.max_total_tokens if env is not None else cfg.sampling_max_tokens
         lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
-        rewards = rewards + overlong_reward_penalty(lengths, cfg.sampling_max_tokens, cfg.overlong_buffer_len,
-                                                    cfg.overlong_penalty_factor)
+        rewards = rewards + overlong_reward_penalty(lengths, limit, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
     return rollouts, scores, rewards
 
 

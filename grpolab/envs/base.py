@@ -5,8 +5,12 @@ A call is written as the tool's tag around its argument, ``<search>Zorvania capi
 the closing tag is a stop string, so the model's turn ends exactly where the call does. The
 observation is the tool's output inside the environment's own tag (``<result>...</result>``),
 followed by ``observation_suffix`` (whatever text makes the model continue; empty by default).
-Tags in a tool's output are removed before it is wrapped: a retrieved passage or a custom tool
-cannot close the observation early, fake a call, or plant an ``<answer>`` the verifier would read.
+Tags in a tool's output are removed before it is wrapped, to a fixed point (``</res<x>ult>`` loses
+``<x>`` and then the ``</result>`` it formed): a retrieved passage or a custom tool cannot close the
+observation early or fake a call. (The verifier never reads observations anyway: it scores
+``Rollout.scored_response``, the model's own turns.) A tool's text is cut to
+``max_observation_chars`` before anything else reads it (and to ``max_observation_tokens`` when a
+tokenizer is at hand), so a 50 MB tool output is never regex-processed or tokenised whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,17 @@ from typing import Protocol
 
 _TAG_RE = re.compile(r"</?[A-Za-z_][A-Za-z0-9_\-]*>")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def strip_tags(text: str) -> str:
+    """``text`` without any ``<tag>``/``</tag>``, removed until none is left: removing one tag can
+    join the pieces around it into another (``<ans<x>wer>``), so one pass is not enough. Each pass
+    removes at least one tag, so the loop ends (on a capped observation: milliseconds)."""
+    while True:
+        stripped = _TAG_RE.sub("", text)
+        if stripped == text:
+            return text
+        text = stripped
 
 
 @dataclass
@@ -56,7 +71,9 @@ class ToolEnv:
     ``max_turns``: model turns per rollout (a call in the last turn gets no observation);
     ``max_total_tokens``: model + observation tokens after the prompt; ``call_cost``: subtracted
     from the reward per tool call (``apply_call_cost``); ``answer_stop``: the stop string that ends
-    an answer (kept with the sampling's own stop strings).
+    an answer (kept with the sampling's own stop strings); ``max_observation_chars`` /
+    ``max_observation_tokens``: the most of one call's output the model reads (cut and counted in
+    ``truncated_observations``; ``None``: no token cap).
     """
 
     tools: dict[str, Tool]
@@ -67,6 +84,8 @@ class ToolEnv:
     observation_suffix: str = ""
     answer_stop: str = "</answer>"
     max_query_chars: int = 500
+    max_observation_chars: int = 2000
+    max_observation_tokens: int | None = None
     _closers: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -82,6 +101,10 @@ class ToolEnv:
         if self.max_turns < 1 or self.max_total_tokens < 1:
             raise ValueError(f"max_turns ({self.max_turns}) and max_total_tokens ({self.max_total_tokens}) "
                              "must be >= 1")
+        tokens = self.max_observation_tokens
+        if self.max_observation_chars < 1 or (tokens is not None and tokens < 1):
+            raise ValueError(f"max_observation_chars ({self.max_observation_chars}) and max_observation_tokens "
+                             f"({self.max_observation_tokens}) must be >= 1")
         self._closers = {f"</{name}>": name for name in self.tools}
 
     def stop_strings(self, extra: Sequence[str] = ()) -> list[str]:
@@ -112,12 +135,27 @@ class ToolEnv:
                 return ToolCall(name, query)
         return None
 
-    def observation(self, output: ToolOutput) -> str:
+    def observation(self, output: ToolOutput, tokenizer=None) -> str:
         """The text inserted after a call: ``<result>...</result>`` + ``observation_suffix``; an error
-        reads ``<result>error: ...</result>``. Tags inside the tool's text are removed."""
+        reads ``<result>error: ...</result>``. See ``render``."""
+        return self.render(output, tokenizer)[0]
+
+    def render(self, output: ToolOutput, tokenizer=None) -> tuple[str, bool]:
+        """(the observation, whether the tool's text was cut). The text is cut to
+        ``max_observation_chars`` first (nothing reads more of it), then its tags are stripped to a
+        fixed point, then — with a ``tokenizer`` and ``max_observation_tokens`` — it is cut to that
+        many tokens (and stripped again: a decoded cut cannot form a tag either)."""
         body = output.text if output.error is None else f"error: {output.error}"
-        body = _TAG_RE.sub("", body)
-        return f"<{self.result_tag}>{body}</{self.result_tag}>{self.observation_suffix}"
+        if not isinstance(body, str):
+            body = str(body)
+        truncated = len(body) > self.max_observation_chars
+        body = strip_tags(body[: self.max_observation_chars])
+        if tokenizer is not None and self.max_observation_tokens is not None:
+            ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+            if len(ids) > self.max_observation_tokens:
+                body = strip_tags(tokenizer.decode(ids[: self.max_observation_tokens], skip_special_tokens=True))
+                truncated = True
+        return f"<{self.result_tag}>{body}</{self.result_tag}>{self.observation_suffix}", truncated
 
     def run_calls(self, calls: Sequence[ToolCall]) -> list[ToolOutput]:
         """Every call of a turn: malformed ones answered at once, the rest batched per tool."""

@@ -10,7 +10,9 @@ counted in ``tool_errors``), never a crash and never a stalled rollout.
 Where it runs. A function named ``module:function`` (or a module-level function, which is named
 the same way) runs in a supervised worker *process*: the reward workers' pool
 (``grpolab.rewards.supervisor.WorkerPool``) with a tool-side child script, so a tool that hangs is
-killed at the timeout and replaced, and one that calls ``os._exit`` or segfaults costs one call.
+killed at the timeout and replaced, and one that calls ``os._exit`` or segfaults costs one call;
+its address space is capped (``memory_limit_mb``, the env's ``worker_memory_limit_mb``), so one
+that allocates without bound fails its call instead of taking the machine's memory.
 A thread cannot give that: a hung thread can only be abandoned (it keeps its core), and a crash in
 it ends the trainer. A callable that cannot be named (a lambda, a closure) runs in a thread with
 the same timeout, and a warning says what is lost.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from ..rewards.isolation import child_sys_path
 from ..rewards.registry import import_callable, reward_spec
-from ..rewards.supervisor import RewardWorker, WorkerPool, WorkerStartError, take_idle
+from ..rewards.supervisor import DEFAULT_MEMORY_LIMIT_MB, RewardWorker, WorkerPool, WorkerStartError, take_idle
 from .base import ToolOutput
 
 ToolFn = Callable[[str], str]
@@ -46,8 +48,9 @@ class ToolPool(WorkerPool):
     """The reward workers' pool (dispatch, per-item timeout, restart, give-up) with tool workers.
     The spec is ``{"tool": name}``, so an idle tool worker is never handed to a reward scorer."""
 
-    def __init__(self, spec: dict, sys_path: list[str], n: int):
-        self.workers = [take_idle(spec, sys_path) or ToolWorker(spec, sys_path) for _ in range(max(1, n))]
+    def __init__(self, spec: dict, sys_path: list[str], n: int, memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
+        self.workers = [take_idle(spec, sys_path, memory_limit_mb) or ToolWorker(spec, sys_path, memory_limit_mb)
+                        for _ in range(max(1, n))]
         self.restarts = 0
 
 
@@ -57,7 +60,7 @@ class CustomTool:
     ``errors``/``timeouts`` count failed calls; ``mode`` is ``"process"`` or ``"thread"``."""
 
     def __init__(self, fn: str | ToolFn, name: str | None = None, timeout_s: float = 10.0, num_workers: int = 1,
-                 max_restarts: int = 8):
+                 max_restarts: int = 8, memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
         self.fn = resolve_tool(fn) if isinstance(fn, str) else fn
         if not callable(self.fn):
             raise ValueError(f"custom tool {fn!r} is not callable")
@@ -65,6 +68,7 @@ class CustomTool:
         if timeout_s <= 0:
             raise ValueError(f"custom tool {self.name!r}: timeout_s must be > 0 (a tool may hang)")
         self.timeout_s, self.num_workers, self.max_restarts = timeout_s, num_workers, max_restarts
+        self.memory_limit_mb = memory_limit_mb
         self.errors = self.timeouts = 0
         self._spec = fn if isinstance(fn, str) else reward_spec(self.fn)
         self._pool: ToolPool | None = None
@@ -93,7 +97,8 @@ class CustomTool:
 
     def _run_in_workers(self, queries: Sequence[str]) -> list[ToolOutput]:
         if self._pool is None:
-            self._pool = ToolPool({"tool": self._spec}, child_sys_path(cwd_last=True), self.num_workers)
+            self._pool = ToolPool({"tool": self._spec}, child_sys_path(cwd_last=True), self.num_workers,
+                                  self.memory_limit_mb)
         results = self._pool.run([(q, None) for q in queries], self.timeout_s, self.max_restarts)
         return [ToolOutput(r["text"]) if isinstance(r, dict) else self._failed(str(r)) for r in results]
 

@@ -61,7 +61,7 @@ def replay_demonstrations(env: ToolEnv, tokenizer, prompts: Sequence[str],
         raise ValueError(f"got {len(prompts)} prompts but {len(solutions)} solutions")
     split = [split_demonstration(env, s) for s in solutions]
     flat = [c for _, calls in split for c in calls]
-    observations = iter([env.observation(o) for o in env.run_calls(flat)] if flat else [])
+    observations = iter([env.observation(o, tokenizer) for o in env.run_calls(flat)] if flat else [])
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     out = []
     for p_ids, (segments, calls) in zip(prompt_ids, split):
@@ -80,8 +80,9 @@ def replay_demonstrations(env: ToolEnv, tokenizer, prompts: Sequence[str],
 
 def tool_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
     """Per-rollout means of a batch of multi-turn rollouts: tool calls, tool errors, turns,
-    observation and model tokens, the observation share of all response tokens, and the share
-    of rollouts that called a tool at least once (``tools/call_rate``)."""
+    observation and model tokens, the observation share of all response tokens, the share
+    of rollouts that called a tool at least once (``tools/call_rate``), and the number of
+    observations cut to the environment's cap (``tools/truncated_observations``)."""
     n = max(1, len(rollouts))
     info = [r.info or {} for r in rollouts]
 
@@ -97,4 +98,6 @@ def tool_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
         "tools/model_tokens": model,
         "tools/observation_token_share": obs / (obs + model) if obs + model else 0.0,
         "tools/call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,
+        # observations cut at max_observation_chars/_tokens in this batch (a count, not a mean)
+        "tools/truncated_observations": sum(i.get("truncated_observations", 0) for i in info),
     }

@@ -11,6 +11,11 @@ The cache: ``<cache_dir>/<key>/`` where the key is a hash of the passages and of
 that changes the index (BM25 method, k1, b, stop words, the bm25s version). An unchanged corpus
 reloads; a changed one (or changed settings) gets a new key and is rebuilt. The directory is
 written under a temporary name and renamed, so an interrupted build is never loaded.
+
+The cache is disposable: a damaged one (an emptied or truncated file, a marker that does not
+match) is rebuilt, with one warning naming its directory; a location that cannot be written (a
+read-only disk, a path under a file) keeps the index in memory, with one warning. Neither is ever
+an error: the corpus is the truth, the cache a copy.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +118,47 @@ class BM25Index:
             self.retriever = self._build(bm25s)
             return
         self.cache_path = Path(cache_dir) / self.cache_key()
-        if (self.cache_path / "grpolab_index.json").is_file():
-            self.retriever = bm25s.BM25.load(str(self.cache_path), show_progress=False)
+        self.retriever = self._load(bm25s)
+        if self.retriever is not None:
             self.loaded_from_cache = True
-        else:
-            self.retriever = self._build(bm25s)
+            return
+        self.retriever = self._build(bm25s)
+        self._save_or_fall_back()
+
+    def _load(self, bm25s):
+        """The cached index, or None when there is none; a damaged one is removed (one warning)."""
+        marker = self.cache_path / "grpolab_index.json"
+        try:
+            if not marker.is_file():
+                return None
+            saved = json.loads(marker.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict) or saved.get("passages") != len(self.passages):
+                raise ValueError("its marker does not match the corpus")
+            retriever = bm25s.BM25.load(str(self.cache_path), show_progress=False)
+            if int(retriever.scores["num_docs"]) != len(self.passages):
+                raise ValueError("it indexes a different number of passages")
+            retriever.retrieve([["probe"]], k=1, show_progress=False)  # a truncated array fails here, not mid-run
+        except Exception as exc:  # noqa: BLE001 - anything unreadable (EOFError, ValueError, OSError, ...) is damage
+            warnings.warn(f"BM25 cache {self.cache_path} is damaged ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split()) or 'unreadable'}); rebuilding it", RuntimeWarning, stacklevel=3)
+            shutil.rmtree(self.cache_path, ignore_errors=True)
+            if self.cache_path.is_file() or self.cache_path.is_symlink():
+                try:
+                    self.cache_path.unlink()
+                except OSError:
+                    pass
+            return None
+        return retriever
+
+    def _save_or_fall_back(self) -> None:
+        """Save to the cache; where it cannot be written, keep the index in memory only (one
+        warning: the next run builds it again, in milliseconds to seconds)."""
+        try:
             self._save()
+        except OSError as exc:
+            warnings.warn(f"BM25 cache {self.cache_path.parent} cannot be written ({type(exc).__name__}: "
+                          f"{exc.strerror or exc}); the index is kept in memory only", RuntimeWarning, stacklevel=3)
+            self.cache_path = None
 
     def cache_key(self) -> str:
         """A hash of the passages and the settings (and the bm25s version and cache format)."""

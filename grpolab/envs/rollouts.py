@@ -8,6 +8,10 @@ context as they are, so the next turn continues from exactly the ids the trainer
 ``Rollout.loss_mask`` is True for sampled tokens and False for observation tokens (log-prob 0.0):
 the trainer ANDs it into the response mask, so observations never receive gradient.
 
+Scoring. ``Rollout.response`` is the whole transcript (model turns and observations: what the
+model saw); ``Rollout.model_response`` is the model's turns only, and it is what every reward
+reads (``Rollout.scored_response``): an observation can never plant the answer.
+
 Batching. The first turn samples ``n`` per prompt in one ``backend.generate`` call; every later
 turn sends all live rollouts, each with its own context ids, in one call with ``n=1``. Rollouts
 stay prompt-major, as the backends return them. Randomness is the backend's: with
@@ -39,11 +43,13 @@ class _Trace:
     logprobs: list[float] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     text: str = ""
+    model_text: str = ""
     finish_reason: str = "length"
     calls: int = 0
     errors: int = 0
     turns: int = 0
     obs_tokens: int = 0
+    truncated: int = 0
     done: bool = False
 
     def add_turn(self, out: Rollout) -> None:
@@ -51,6 +57,7 @@ class _Trace:
         self.logprobs += out.logprobs
         self.mask += [True] * len(out.response_ids)
         self.text += out.response
+        self.model_text += out.response
         self.finish_reason = out.finish_reason
         self.turns += 1
 
@@ -63,10 +70,11 @@ class _Trace:
 
     def rollout(self) -> Rollout:
         info = {"tool_calls": self.calls, "tool_errors": self.errors, "turns": self.turns,
-                "observation_tokens": self.obs_tokens, "model_tokens": len(self.ids) - self.obs_tokens}
+                "observation_tokens": self.obs_tokens, "model_tokens": len(self.ids) - self.obs_tokens,
+                "truncated_observations": self.truncated}
         return Rollout(prompt=self.prompt, response=self.text, prompt_ids=list(self.prompt_ids), response_ids=self.ids,
                        logprobs=self.logprobs, finish_reason=self.finish_reason, prompt_index=self.prompt_index,
-                       loss_mask=self.mask, info=info)
+                       loss_mask=self.mask, info=info, model_response=self.model_text)
 
 
 def _turn_sampling(sampling: SamplingParams, env: ToolEnv, turn: int, remaining: int) -> SamplingParams:
@@ -113,7 +121,8 @@ def rollouts(backend, env: ToolEnv, prompts: Sequence[str], n: int, sampling: Sa
             trace.errors += result.error is not None
             if turn + 1 >= env.max_turns:
                 continue  # a call in the last turn gets no observation
-            text = env.observation(result)
+            text, truncated = env.render(result, tokenizer)
+            trace.truncated += truncated
             obs_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(trace.ids) + len(obs_ids) >= env.max_total_tokens:
                 trace.finish_reason = "length"  # no room left to read the observation and answer

@@ -58,7 +58,7 @@ def evaluate(
     prompts = [template.format(e.question) for e in examples]
     rollouts = backend.generate(prompts, n, sampling)
     gts = [examples[r.prompt_index].answer for r in rollouts]
-    scores, errors = _score(scorer, reward_fn, reward_timeout_s, [r.response for r in rollouts], gts)
+    scores, errors = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts], gts)
     lengths = [len(r.response_ids) for r in rollouts]
     correct = [s["reward"] >= 1.0 for s in scores]
     metrics = {

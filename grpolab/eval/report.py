@@ -58,9 +58,9 @@ def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: 
             raise DataError(f"corpus {path!r} could not be loaded: {type(exc).__name__}: {exc}") from None
         text = "\n\n".join(row[text_field] for row in ds)
     elif path.endswith(".jsonl"):
-        from ..data.datasets import _require, read_jsonl_records
+        from ..data.datasets import read_jsonl_records, require_field
 
-        text = "\n\n".join(read_jsonl_records(path, lambda obj: str(_require(obj, text_field))))
+        text = "\n\n".join(read_jsonl_records(path, lambda obj: str(require_field(obj, text_field))))
     else:
         text = Path(path).read_text(encoding="utf-8")
     return tokenizer(text[:max_chars], add_special_tokens=False)["input_ids"]
@@ -135,7 +135,7 @@ def evaluate_model(
     sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=min_tokens, stop=list(stop), seed=seed)
     result = evaluate(backend, examples, template, reward_fn, sampling, n=k, scorer=scorer,
                       reward_timeout_s=reward_timeout_s)
-    keys = [answer_key(r.response) for r in result.rollouts]
+    keys = [answer_key(r.scored_response) for r in result.rollouts]
     m = {**result.metrics, "k": k, "questions": len(examples), **sample_metrics(result, keys, len(examples), k)}
     if entropy:  # a second pass over every response: optional (grpolab eval --no-entropy)
         entropies = token_entropies(model, result.rollouts, tokenizer, temperature=temperature)

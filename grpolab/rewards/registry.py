@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
 from .tasks import arithmetic_reward_fn, countdown_reward_fn
 from .verifiers import gsm8k_reward_fn, question_only_reward_fn, r1_zero_reward_fn
 
@@ -63,6 +65,8 @@ def get_reward_fn(spec: str | RewardFn) -> RewardFn:
     ``arithmetic``, ``countdown``, ``r1_zero_lenient``) or a ``package.module:function`` path."""
     if callable(spec):
         return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"reward: expected a reward name or 'package.module:function', got {_describe_value(spec)}")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
@@ -136,8 +140,80 @@ class WeightedReward:
         return out
 
 
+class _ComponentSpec(BaseModel):
+    """One weighted component of a config's ``reward:`` list."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    fn: Any
+    weight: float = 1.0
+    key: str = "reward"
+    name: str | None = None
+
+    @field_validator("fn")
+    @classmethod
+    def _fn(cls, value: Any) -> Any:
+        if callable(value):
+            return value
+        return _check_reward_name(value)
+
+
+def _check_reward_name(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a reward name or 'package.module:function', got {_describe_value(value)}")
+    if value in BUILTIN_REWARDS:
+        return value
+    module, colon, fn = value.partition(":")
+    if not colon:
+        raise ValueError(f"unknown reward {value!r}: use one of {', '.join(BUILTIN_REWARDS)} "
+                         "or 'package.module:function'")
+    if not module.strip() or not fn.strip():
+        raise ValueError(f"{value!r}: expected 'package.module:function' (both parts)")
+    return value
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, dict):  # YAML reads `mod:` (unquoted) as a mapping
+        return f"a mapping {value!r} (quote a 'package.module:function' value)"
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_reward_spec(spec: Any) -> Any:
+    """A config's ``reward:`` value, checked: None, a callable, a built-in name, a
+    ``package.module:function`` path, or a non-empty list of component mappings (``fn``,
+    ``weight``, ``key``, ``name``). Else a one-line ValueError naming the key and the rule."""
+    if spec is None or callable(spec):
+        return spec
+    if isinstance(spec, (list, tuple)):
+        if not spec:
+            raise ValueError("reward: a weighted reward needs at least one component")
+        out = []
+        for i, comp in enumerate(spec):
+            if isinstance(comp, RewardComponent):
+                comp = asdict(comp)
+            if not isinstance(comp, dict):
+                raise ValueError(f"reward[{i}]: expected a mapping with fn (and weight, key, name), "
+                                 f"got {_describe_value(comp)}")
+            try:
+                checked = _ComponentSpec.model_validate(comp)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                loc = ".".join(str(p) for p in err["loc"])
+                msg = "unknown key; expected fn, weight, key, name" if err["type"] == "extra_forbidden" else (
+                    "required" if err["type"] == "missing" else err["msg"].removeprefix("Value error, "))
+                raise ValueError(" ".join(f"reward[{i}].{loc}: {msg}".split())) from None
+            out.append({k: getattr(checked, k) for k in comp})
+        return out
+    try:
+        return _check_reward_name(spec)
+    except ValueError as exc:
+        raise ValueError(f"reward: {exc}") from None
+
+
 def build_reward(spec: Any) -> RewardFn:
     """A reward from config: a name/path string, or a list of component dicts (weighted sum)."""
+    if not callable(spec):
+        spec = check_reward_spec(spec)
     if isinstance(spec, (list, tuple)):
         return WeightedReward(spec)
     return get_reward_fn(spec)

@@ -8,11 +8,16 @@ carries one JSON line per message back: ``["ready"]`` or ``["fatal", msg]`` afte
 which item a hang or a crash belongs to. JSON on the way back: the parent never unpickles what
 user code could have written. The protocol file descriptors are private copies; fd 0 and 1 are
 re-pointed to /dev/null and stderr, so a reward that reads stdin or prints cannot corrupt them.
+
+Memory. The hello may carry ``memory_limit_mb``: the worker's address space is limited to it
+(``RLIMIT_AS``) before the user's module is imported, so a runaway allocation fails one call (a
+``MemoryError`` reported as ``err``) or, at worst, this process, never the trainer.
 """
 
 import json
 import os
 import pickle
+import resource
 import struct
 import sys
 import threading
@@ -40,6 +45,20 @@ def watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
+def limit_memory(megabytes) -> None:
+    """Cap this process's address space at ``megabytes`` (None: no cap; never raises a cap)."""
+    if not megabytes:
+        return
+    limit = int(megabytes) << 20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError):  # pragma: no cover - a platform without RLIMIT_AS
+        pass
+
+
 def serve(load) -> None:  # pragma: no cover - runs in the child process
     """The worker side of the protocol: ``load(spec)`` (called once, after the parent's hello) gives
     ``handle(a, b)``, applied to each item of each batch; every result, exception or ``SystemExit``
@@ -60,6 +79,7 @@ def serve(load) -> None:  # pragma: no cover - runs in the child process
     if hello is None:
         return
     sys.path[:] = hello["sys_path"]
+    limit_memory(hello.get("memory_limit_mb"))
     try:
         handle = load(hello["spec"])
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which falls back

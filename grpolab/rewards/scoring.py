@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from .isolation import child_sys_path
 from .registry import build_reward, check_reward_output, is_builtin_reward, reward_spec
-from .supervisor import UnsendableInputs, WorkerPool, WorkerStartError
+from .supervisor import DEFAULT_MEMORY_LIMIT_MB, UnsendableInputs, WorkerPool, WorkerStartError
 
 ZERO_SCORE = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 ISOLATION_MODES = ("auto", "process", "inprocess")
@@ -49,7 +49,8 @@ class RewardScorer:
     """
 
     def __init__(self, reward_fn: Any, timeout_s: float | None = 10.0, num_workers: int = 0, *,
-                 isolation: str = "auto", max_restarts: int = 8):
+                 isolation: str = "auto", max_restarts: int = 8,
+                 memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {', '.join(ISOLATION_MODES)}, not {isolation!r}")
         self.reward_fn = build_reward(reward_fn) if isinstance(reward_fn, (str, list, tuple)) else reward_fn
@@ -57,6 +58,7 @@ class RewardScorer:
         self.num_workers = num_workers
         self.isolation = isolation
         self.max_restarts = max_restarts
+        self.memory_limit_mb = memory_limit_mb
         self.errors = self.timeouts = self.worker_deaths = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
@@ -122,7 +124,8 @@ class RewardScorer:
 
     def _score_in_workers(self, items: list[tuple[str, Any]]) -> list[dict[str, float]]:
         if self._pool is None:
-            self._pool = WorkerPool(self._spec, child_sys_path(cwd_last=True), self.num_workers)
+            self._pool = WorkerPool(self._spec, child_sys_path(cwd_last=True), self.num_workers,
+                                    self.memory_limit_mb)
         results = self._pool.run(items, self.timeout_s, self.max_restarts)
         return [r if isinstance(r, dict) else self._failed(r) for r in results]
 

@@ -11,6 +11,12 @@ the per-response overhead is a pickle and a JSON line (see ``benchmarks/grading.
 back one by one so that a timeout or a crash is charged to exactly the item being scored; the rest
 of the batch is re-sent to a fresh worker. Idle workers of a closed scorer are kept (a few, keyed
 by reward and path) for the next scorer of the same reward: ``grpolab eval`` makes one per call.
+
+Bounded. A worker's address space is limited (``memory_limit_mb``, ``RLIMIT_AS`` set in the child
+before the user's module is imported): an allocation past it fails that call (a ``MemoryError``,
+or the worker's death), counted as an error like any other. The parent reads worker output in
+linear time (a bytearray; each complete line is split out once), so a huge result costs its size,
+not its size squared.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any
 from .isolation import child_command, describe_exit
 
 HEADER_SIZE = 8
+READ_SIZE = 1 << 20
+DEFAULT_MEMORY_LIMIT_MB = 4096  # address space of a worker: a runaway reward or tool fails its call, not the machine
 STARTUP_TIMEOUT_S = 120.0  # importing a user's module may import torch: not part of any item's time
 MAX_IDLE_WORKERS = 4
 
@@ -52,14 +60,14 @@ class RewardWorker:
 
     SCRIPT = Path(__file__).with_name("reward_worker.py")
 
-    def __init__(self, spec: Any, sys_path: list[str]):
-        self.spec, self.sys_path = spec, list(sys_path)
+    def __init__(self, spec: Any, sys_path: list[str], memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
+        self.spec, self.sys_path, self.memory_limit_mb = spec, list(sys_path), memory_limit_mb
         self.proc: subprocess.Popen | None = None
-        self._buffer = b""
+        self._buffer = bytearray()
 
     @property
     def key(self) -> str:
-        return json.dumps([self.spec, self.sys_path])
+        return worker_key(self.spec, self.sys_path, self.memory_limit_mb)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -70,7 +78,7 @@ class RewardWorker:
         self.proc = subprocess.Popen(child_command(self.SCRIPT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      bufsize=0)
         try:
-            self.send_frame({"sys_path": self.sys_path, "spec": self.spec})
+            self.send_frame({"sys_path": self.sys_path, "spec": self.spec, "memory_limit_mb": self.memory_limit_mb})
         except OSError:
             pass  # it died at once: reported below from its exit status
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -105,11 +113,14 @@ class RewardWorker:
         ready, _, _ = select.select([self.fileno()], [], [], timeout)
         if not ready:
             return []
-        chunk = os.read(self.fileno(), 1 << 16)
+        chunk = os.read(self.fileno(), READ_SIZE)
         if not chunk:
             return None
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
+        self._buffer += chunk  # amortised O(len(chunk)): never a copy of everything read so far
+        if b"\n" not in chunk:
+            return []
+        *lines, rest = bytes(self._buffer).split(b"\n")
+        self._buffer = bytearray(rest)
         return [json.loads(line) for line in lines if line]
 
     def exit_description(self) -> str:
@@ -125,14 +136,16 @@ class RewardWorker:
                     stream.close()
                 except OSError:
                     pass
-        self.proc, self._buffer = None, b""
+        self.proc, self._buffer = None, bytearray()
 
 
 class WorkerPool:
     """``n`` workers for one reward; ``run`` scores a batch split into contiguous chunks."""
 
-    def __init__(self, spec: Any, sys_path: list[str], n: int):
-        self.workers = [take_idle(spec, sys_path) or RewardWorker(spec, sys_path) for _ in range(max(1, n))]
+    def __init__(self, spec: Any, sys_path: list[str], n: int,
+                 memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
+        self.workers = [take_idle(spec, sys_path, memory_limit_mb) or RewardWorker(spec, sys_path, memory_limit_mb)
+                        for _ in range(max(1, n))]
         self.restarts = 0
 
     def run(self, items: list[tuple[str, Any]], timeout_s: float | None, max_restarts: int) -> list[Any]:
@@ -237,10 +250,15 @@ _IDLE: list[RewardWorker] = []
 _IDLE_LOCK = threading.Lock()
 
 
-def take_idle(spec: Any, sys_path: list[str]) -> RewardWorker | None:
+def worker_key(spec: Any, sys_path: list[str], memory_limit_mb: int | None) -> str:
+    return json.dumps([spec, list(sys_path), memory_limit_mb])
+
+
+def take_idle(spec: Any, sys_path: list[str],
+              memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB) -> RewardWorker | None:
     """A live idle worker already started for ``spec`` (reused instead of a new process), or None;
     shared with the tool workers of ``grpolab.envs.custom``."""
-    key = json.dumps([spec, list(sys_path)])
+    key = worker_key(spec, sys_path, memory_limit_mb)
     with _IDLE_LOCK:
         for worker in _IDLE:
             if worker.key == key:

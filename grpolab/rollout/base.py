@@ -78,6 +78,15 @@ class Rollout:
     # means every token was sampled. ``info`` holds per-rollout figures (tool calls, turns, ...).
     loss_mask: list[bool] | None = None
     info: dict = field(default_factory=dict)
+    # multi-turn rollouts: the model's own turns only (observation text removed); None for a
+    # single-turn rollout, whose ``response`` is all the model's
+    model_response: str | None = None
+
+    @property
+    def scored_response(self) -> str:
+        """The text a reward reads: only what the model wrote. A tool's observation (a retrieved
+        passage, a custom tool's output) can never plant the answer the verifier scores."""
+        return self.response if self.model_response is None else self.model_response
 
 
 class RolloutBackend(Protocol):

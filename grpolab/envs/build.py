@@ -1,0 +1,203 @@
+"""A tool environment from config values: ``build_env`` (a config's ``env:``, an ``--env`` file),
+the retriever of retrieval-augmented prompts (``retrieval:``), and the validation of both.
+
+Validation is a pydantic model per mapping, so a wrong value is a one-line error naming the key
+(``max_turns: two``, ``tools: search`` — a string, not a list — or a custom tool named like a
+built-in), raised before any model, corpus or worker is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .base import ToolEnv
+from .calculator import Calculator
+from .custom import CustomTool
+from .retrieval import RetrievalAugmentedTemplate, SearchTool, open_index
+
+BUILTIN_TOOLS = ("search", "calculate")
+
+
+def _custom_tool_name(spec: str) -> str:
+    return spec.partition(":")[2]
+
+
+def _check_tool_spec(spec: Any) -> Any:
+    """A tool entry: a built-in name, ``"pkg.mod:fn"`` (not named like a built-in), or a Tool object."""
+    if not isinstance(spec, str):
+        if not (isinstance(getattr(spec, "name", None), str) and callable(getattr(spec, "run", None))):
+            raise ValueError(f"{spec!r} is not a tool: expected 'search', 'calculate' or 'package.module:function'")
+        return spec
+    if spec in BUILTIN_TOOLS:
+        return spec
+    module, colon, name = spec.partition(":")
+    if not colon or not module or not name:
+        raise ValueError(f"unknown tool {spec!r}: expected 'search', 'calculate' or 'package.module:function'")
+    if name in BUILTIN_TOOLS:
+        raise ValueError(f"custom tool {spec!r} is named like the built-in {name!r} tool (the model would write "
+                         f"<{name}>): rename the function")
+    return spec
+
+
+class EnvSettings(BaseModel):
+    """The keys of a config's ``env:`` (``build_env``'s keywords and ``ToolEnv``'s limits)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    tools: list[Any] = Field(default_factory=lambda: ["search"], min_length=1)
+    corpus: str | None = None
+    text_field: str = "text"
+    cache_dir: str | None = None
+    top_k: int = Field(1, ge=1)
+    max_chars: int | None = Field(200, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    tool_timeout_s: float = Field(10.0, gt=0)
+    worker_memory_limit_mb: int | None = Field(4096, ge=64)
+    max_turns: int = Field(4, ge=1)
+    max_total_tokens: int = Field(256, ge=1)
+    call_cost: float = 0.0
+    result_tag: str = "result"
+    observation_suffix: str = ""
+    answer_stop: str = "</answer>"
+    max_query_chars: int = Field(500, ge=1)
+    max_observation_chars: int = Field(2000, ge=1)
+    max_observation_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError(f"expected a list of tools, e.g. [{value}], got the string {value!r}")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_known(cls, value: list[Any]) -> list[Any]:
+        names = []
+        for spec in value:
+            spec = _check_tool_spec(spec)
+            name = spec if spec in BUILTIN_TOOLS else (_custom_tool_name(spec) if isinstance(spec, str) else spec.name)
+            if name in names:
+                raise ValueError(f"two tools are named {name!r}")
+            names.append(name)
+        return value
+
+
+class RetrievalSettings(BaseModel):
+    """The keys of a config's ``retrieval:`` (retrieval-augmented prompts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    corpus: str = Field(min_length=1)
+    text_field: str = "text"
+    cache_dir: str | None = None
+    top_k: int = Field(1, ge=1)
+    max_chars: int | None = Field(200, ge=1)
+
+
+# a config's ``retrieval:``: build_retriever's keys, ``corpus`` required
+RETRIEVAL_KEYS = tuple(RetrievalSettings.model_fields)
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first error of ``exc`` as ``key: rule`` (pydantic's own wording, on one line)."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    message = "required" if err["type"] == "missing" else err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return " ".join(f"{loc}: {message}{more}".split())
+
+
+def _validate(model: type[BaseModel], options: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(options, dict):
+        raise ValueError(f"expected a mapping of {kind} keys, got {type(options).__name__}")
+    unknown = sorted(str(k) for k in set(options) - set(model.model_fields))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; expected some of {', '.join(model.model_fields)}")
+    try:
+        checked = model.model_validate(options)
+    except ValidationError as exc:
+        if any(e["type"] == "missing" and e["loc"] == ("corpus",) for e in exc.errors()):
+            raise ValueError("needs a corpus (a JSONL file or a directory of .txt files)") from None
+        raise ValueError(_one_line(exc)) from None
+    return {k: getattr(checked, k) for k in options}
+
+
+def env_option_names() -> list[str]:
+    """The keys a config's ``env`` mapping may hold."""
+    return list(EnvSettings.model_fields)
+
+
+def check_env_options(options: Any) -> dict[str, Any]:
+    """``options`` (a config's ``env:``, an ``--env`` file) with its values checked (and coerced:
+    ``"2"`` -> 2); else a one-line ValueError naming the key and the rule."""
+    return _validate(EnvSettings, options, "environment")
+
+
+def check_retrieval_options(options: Any) -> dict[str, Any]:
+    """``options`` if it is a valid mapping of ``RETRIEVAL_KEYS`` with a ``corpus``; else a one-line ValueError."""
+    return _validate(RetrievalSettings, options, "retrieval")
+
+
+def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, text_field: str = "text",
+              cache_dir: str | None = None, top_k: int = 1, max_chars: int | None = 200, max_tokens: int | None = None,
+              tokenizer=None, tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096,
+              **env_options) -> ToolEnv:
+    """A ``ToolEnv`` from config values. ``tools``: ``"search"`` (needs ``corpus``), ``"calculate"``,
+    ``"pkg.mod:fn"`` (a custom tool, named after its function, in a worker process limited to
+    ``worker_memory_limit_mb`` of address space) or a ``Tool`` object; ``env_options``: ``ToolEnv``
+    fields (``max_turns``, ``max_total_tokens``, ``call_cost``, ``max_observation_chars``, ...)."""
+    if isinstance(tools, str):
+        raise ValueError(f"tools: expected a list of tools, e.g. [{tools}], got the string {tools!r}")
+    built = []
+    for spec in tools:
+        spec = _check_tool_spec(spec)
+        if not isinstance(spec, str):
+            built.append(spec)
+        elif spec == "search":
+            if corpus is None:
+                raise ValueError("the search tool needs a corpus (a JSONL file or a directory of .txt files)")
+            built.append(build_retriever(corpus, text_field=text_field, cache_dir=cache_dir, top_k=top_k,
+                                         max_chars=max_chars, max_tokens=max_tokens, tokenizer=tokenizer))
+        elif spec == "calculate":
+            built.append(Calculator())
+        else:
+            built.append(CustomTool(spec, name=_custom_tool_name(spec), timeout_s=tool_timeout_s,
+                                    memory_limit_mb=worker_memory_limit_mb))
+    names = [t.name for t in built]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"two tools are named {name!r}")
+    return ToolEnv({t.name: t for t in built}, **env_options)
+
+
+def build_retriever(corpus: str, *, text_field: str = "text", cache_dir: str | None = None, top_k: int = 1,
+                    max_chars: int | None = 200, max_tokens: int | None = None, tokenizer=None) -> SearchTool:
+    """BM25 over ``corpus`` (built once, cached in ``cache_dir``): the search tool, and the
+    retriever of retrieval-augmented prompts."""
+    return SearchTool(open_index(corpus, text_field, cache_dir), top_k, max_chars, max_tokens, tokenizer)
+
+
+def retrieval_template(template, options: dict[str, Any]) -> RetrievalAugmentedTemplate:
+    """``template`` (with ``{context}``) filled, per question, with the top passages a BM25
+    retriever built from ``options`` (``RETRIEVAL_KEYS``) finds for it."""
+    options = check_retrieval_options(options)
+    return RetrievalAugmentedTemplate(template, build_retriever(**options))
+
+
+def load_env_file(path: str | Path) -> dict[str, Any]:
+    """The environment keys in the YAML file ``path`` (``grpolab eval/compare --env``), checked;
+    errors name the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such environment file")
+    try:
+        return check_env_options(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None
