@@ -89,6 +89,9 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     config_cls, train = _trainers()[command]
     try:
         cfg = _build(config_cls, config, list(ctx.args), resume)
+        from .algorithms.preflight import check_imports
+
+        check_imports(cfg)  # a reward/tool module that hangs or exits at import: one line, nothing touched
     except _user_errors() as exc:
         _fail(str(exc))
     try:
@@ -107,9 +110,22 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     except _user_errors() as exc:
         _fail(str(exc))
     except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch
-        if getattr(exc, "errno", None) == 28 or "No space left on device" in str(exc):
+        if _disk_full(exc):
             _fail(f"no space left on device: {getattr(exc, 'filename', None) or cfg.run_dir}")
         raise
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """A full disk however it surfaces: OSError errno 28, or torch's zip writer's RuntimeError
+    (``inline_container.cc``: "file write failed", "unexpected pos"), also as the cause of another."""
+    seen = 0
+    while exc is not None and seen < 5:
+        text = str(exc)
+        if (getattr(exc, "errno", None) == 28 or "No space left on device" in text or "file write failed" in text
+                or "unexpected pos" in text or "errno 28" in text.lower()):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _report(result) -> None:
@@ -295,6 +311,8 @@ def compare(
     or, with --variants, GRPO variants over several seeds."""
     _quiet_hf()
     try:
+        if steps is not None and steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {steps}")
         if variants is not None:
             from .variants import parse_variants, run_variants
 

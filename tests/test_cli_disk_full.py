@@ -32,3 +32,25 @@ def test_a_full_disk_is_one_line(tiny_disk):
     assert done.returncode == 2, done.stderr[-2000:]
     assert lines == [f"grpolab: error: no space left on device: {run_dir}"] or (
         len(lines) == 1 and lines[0].startswith("grpolab: error: no space left on device:")), lines
+
+
+@pytest.mark.parametrize("message", [
+    "[enforce fail at inline_container.cc:664] . unexpected pos 4352 vs 4240",
+    "[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file data/0: file write failed",
+])
+def test_torch_save_on_a_full_disk_is_one_line(monkeypatch, tmp_path, message):
+    """torch.save's zip writer reports a full disk as a RuntimeError without errno (any layer may wrap it)."""
+    from typer.testing import CliRunner
+
+    import grpolab.cli as cli
+    from grpolab.algorithms.sft import SFTConfig
+
+    def train(cfg, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(cli, "_trainers", lambda: {"sft": (SFTConfig, train)})
+    run_dir = tmp_path / "run"
+    out = CliRunner().invoke(cli.app, ["sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--run-dir", str(run_dir)])
+    assert out.exit_code == 2, out.output
+    assert f"grpolab: error: no space left on device: {run_dir}" in out.output
+    assert "Traceback" not in out.output

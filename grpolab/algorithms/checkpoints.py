@@ -10,6 +10,7 @@ no run is silently replaced) and cleared on ``--overwrite`` (``clear_run_dir``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -188,13 +189,15 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def latest_loadable(self) -> tuple[Path, dict] | None:
-        """The newest checkpoint whose state and weights load, with its state. Unreadable ones
-        (truncated, incomplete) are reported on stderr, skipped, and renamed ``unreadable_step_N``
+        """The newest checkpoint whose every part loads (state, weights, and the per-rank optimizer
+        shards of an FSDP2 or DeepSpeed run), with its state. Unreadable ones
+        (truncated, incomplete, or refused as unsafe) are reported on stderr, skipped, and renamed ``unreadable_step_N``
         (kept for inspection, out of the way of later saves and pruning)."""
         for path in reversed(self.all()):
             try:
                 state = self.load_state(path)
                 check_model_files(path)
+                check_sharded_files(path, state)
             except Exception as exc:  # noqa: BLE001 - any failure to read means "skip this one"
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 aside = path.with_name(f"unreadable_{path.name}")
@@ -220,6 +223,57 @@ def check_model_files(path: Path) -> None:
         raise FileNotFoundError(f"no model weights (*.safetensors) in {path}")
     for f in files:
         load_file(str(f))
+
+
+def check_sharded_files(path: Path, state: dict) -> None:
+    """Raise unless the per-rank optimizer shards of a sharded run are all there and readable:
+    FSDP2 (``optimizer/``: DCP metadata, read without executing code, and every file it names, long
+    enough for every item), DeepSpeed (``deepspeed/state/``: each rank's files, each loaded with
+    ``weights_only=True``). Other runs have none."""
+    from . import distributed
+
+    strategy = (state.get("config") or {}).get("distributed", "none")
+    path = Path(path)
+    if strategy == "fsdp2" or (path / "optimizer" / ".metadata").exists():
+        _check_dcp(path / "optimizer")
+    elif strategy == "deepspeed":
+        _check_deepspeed(path / "deepspeed" / "state", distributed.current().world_size)
+
+
+def _check_dcp(directory: Path) -> None:
+    from .distributed import SafeUnpickler
+
+    meta = directory / ".metadata"
+    if not meta.is_file():
+        raise FileNotFoundError(f"no optimizer shards metadata ({meta.relative_to(directory.parent)})")
+    with open(meta, "rb") as f:
+        metadata = SafeUnpickler.load(f, str(meta))
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        name = str(getattr(info, "relative_path", ""))
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        f = directory / name
+        if not f.is_file() or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise FileNotFoundError(f"optimizer shard {directory.name}/{name} is missing")
+        if f.stat().st_size < end:
+            raise ValueError(f"optimizer shard {directory.name}/{name} is truncated ({f.stat().st_size} of {end} bytes)")
+
+
+def _check_deepspeed(directory: Path, world_size: int) -> None:
+    from .distributed import safe_torch_load
+
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no DeepSpeed state ({directory.parent.name}/{directory.name}/)")
+    for rank in range(world_size):
+        optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # bf16_zero_pp_... with bf16 too
+        if not any(p.is_file() for p in directory.glob(f"*{optim}")):
+            raise FileNotFoundError(f"DeepSpeed optimizer shard {optim} is missing")
+    if not list(directory.glob("*model_states.pt")):
+        raise FileNotFoundError(f"DeepSpeed model states (*model_states.pt) missing in {directory}")
+    for f in sorted(directory.glob("*.pt")):
+        safe_torch_load(f, map_location="cpu")
 
 
 # ---------------------------------------------------------------- the run directory
@@ -259,3 +313,86 @@ def clear_run_dir(path: Path) -> None:
         elif p.exists():
             p.unlink()
 
+
+
+# ---------------------------------------------------------------- one writer per run directory
+
+LOCK_FILE = ".lock"
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``run_dir/.lock`` (the holder's pid written in it), held for the
+    run's lifetime. The kernel drops it when the holder exits, however it exits (SIGKILL too), so a
+    lock file left behind never blocks; a live holder refuses a second run, ``--resume`` or
+    ``--overwrite`` in one line naming its pid."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.fd: int | None = None
+        self.created = False  # the lock file did not exist before
+
+    def check_free(self) -> None:
+        """Raise ``RunDirBusy`` if a live process holds the lock; touches nothing (the lock file is
+        only opened for reading, and only if it exists)."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return  # no lock file (or none we could hold either: acquire says so)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise self._busy(fd) from None
+        finally:
+            os.close(fd)  # closing drops a lock taken just now
+
+    def _busy(self, fd: int) -> RunDirBusy:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        return RunDirBusy(f"run_dir {self.run_dir} is in use by another grpolab process (pid {holder}); wait for it "
+                          "to end or stop it first")
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                self.created = True
+            except FileExistsError:
+                fd = os.open(self.path, flags)
+        except OSError as exc:
+            raise ConfigError(f"run_dir {self.run_dir}: cannot open its lock file {self.path} ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            busy = self._busy(fd)
+            os.close(fd)
+            raise busy from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; ``remove``: a run that never started also removes the lock file it created
+        (the directory is left as it was found)."""
+        if self.fd is None:
+            return
+        import fcntl
+
+        try:
+            os.ftruncate(self.fd, 0)
+            if remove and self.created:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = None

@@ -3,7 +3,10 @@
 A trainer holds only its algorithm; the ``Run`` holds everything around it:
 
 - the run directory (``config.yaml``, ``metrics.jsonl``, ``samples/``, ``checkpoints/step_N/``,
-  ``final/``) — refused if it already holds a run, unless resuming or ``overwrite``;
+  ``final/``) — refused if it already holds a run, unless resuming or ``overwrite``, and always
+  refused while another process holds its lock (``.lock``: one writer per run directory, held by
+  rank 0 for the run's lifetime, naming the holder's pid); nothing in it is touched before every
+  input, the model, the tool environment and the checkpoint to resume from have been checked;
 - the model: from the newest readable checkpoint when resuming, else the one given, else
   ``cfg.model``; seeded, on its device, dropout disabled (``disable_dropout``);
 - every state a trainer registers with ``track`` (optimizer, scheduler, data position, KL
@@ -29,10 +32,10 @@ from typing import Any, Callable
 import torch
 
 from ..eval import evaluate, log_generations
-from ..models import load_model_and_tokenizer
+from ..models import load_model_and_tokenizer, set_logits_fp32
 from . import distributed
-from .checkpoints import (RUN_FILES, CheckpointManager, atomic_write_text, check_run_dir, clear_run_dir,  # noqa: F401
-                          holds_a_run, remove_leftovers)
+from .checkpoints import (RUN_FILES, CheckpointManager, RunDirBusy, RunLock, atomic_write_text,  # noqa: F401
+                          check_run_dir, clear_run_dir, holds_a_run, remove_leftovers)
 from .config import ConfigError, resume_changes
 from .metrics import MetricsLogger, progress
 from .optimization import StepResult, current_lr
@@ -109,7 +112,49 @@ class Run:
                                       fsdp_cpu_offload=cfg.fsdp_cpu_offload)
         self.is_main = self.dist.is_main
         check_distributed(cfg, self.dist)
-        check_run_dir(self.path, resume, overwrite)
+        check_run_dir(self.path, resume=True, overwrite=True)  # a writable directory (or place for one)
+        self._lock, self._made_dir = None, False
+        self._take_lock(resume, overwrite)  # one writer per run directory, before anything in it is touched
+        try:
+            check_run_dir(self.path, resume, overwrite)  # again, now that no other process can write it
+            self._start(cfg, resume, overwrite, model, tokenizer, check_inputs)
+        except BaseException:
+            self._drop_lock(started=False)
+            raise
+
+    def _take_lock(self, resume: bool, overwrite: bool) -> None:
+        """Rank 0 takes ``run_dir/.lock`` (creating the directory if need be); a directory a live
+        process holds is refused on every rank with the holder's pid, one that holds a run (without
+        ``--resume``/``--overwrite``) with the usual hint — both before anything is created."""
+        error = None
+        if self.is_main:
+            try:
+                RunLock(self.path).check_free()
+                check_run_dir(self.path, resume, overwrite)
+                if not self.path.exists():
+                    self.path.mkdir(parents=True)
+                    self._made_dir = True
+                self._lock = RunLock(self.path).acquire()
+            except ConfigError as exc:
+                error = str(exc)
+            except OSError as exc:
+                error = f"run_dir {self.path}: cannot create it ({exc.strerror or exc})"
+        error = distributed.broadcast_object(error)
+        if error is not None:
+            self._drop_lock(started=False)
+            raise RunDirBusy(error) if "is in use by" in error else ConfigError(error)
+
+    def _drop_lock(self, started: bool = True) -> None:
+        """Release the lock; a directory this run created and never used is removed again."""
+        if self._lock is not None:
+            self._lock.release(remove=not started)
+            self._lock = None
+        if self._made_dir and not started:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+            self._made_dir = False
+
+    def _start(self, cfg, resume, overwrite, model, tokenizer, check_inputs) -> None:
         self.ckpts = CheckpointManager(self.path / "checkpoints", cfg.keep_last)
         self.resumed_from, self.state = None, None
         if resume:
@@ -123,12 +168,15 @@ class Run:
             model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
         if cfg.disable_dropout:
             disable_dropout(model)
+        if getattr(cfg, "logits_fp32", False):  # before any copy (sampler replica, reference) is made
+            set_logits_fp32(model)
         self.tokenizer = tokenizer
         # the engine (DDP/FSDP2/DeepSpeed), LoRA, and the plain copy the sampler draws from
         self.weights = RunModel(cfg, model.to(self.device), self.device, self.state)
         self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
             check_inputs(self.sampling_model, self.tokenizer, self.device)
+        self.env = self._build_env(cfg)  # the tools, the retrieval index: built before the directory is touched
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
         if self.is_main:
@@ -160,6 +208,16 @@ class Run:
         if self.state is not None:  # after the model is loaded: nothing below may draw from it before the loop
             torch.set_rng_state(self._rank_rng()["torch"])
 
+    def _build_env(self, cfg):
+        """The run's tool environment (``env:``), or None: its tools, custom tool modules and
+        retrieval index are built (and so checked) before the run directory is touched."""
+        options = getattr(cfg, "env", None)
+        if options is None:
+            return None
+        from ..envs import build_env
+
+        return build_env(**options, tokenizer=self.tokenizer)
+
     def _find_checkpoint(self, cfg) -> None:
         """The newest readable checkpoint, chosen by rank 0 (which alone moves unreadable ones aside)."""
         found = None
@@ -179,6 +237,8 @@ class Run:
         if done > cfg.total_steps:
             raise ConfigError(f"--resume {self.path}: the run has done {done} steps, more than "
                               f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
+        if self.is_main:
+            print(f"grpolab: resuming from {self.resumed_from}", file=sys.stderr)
 
     def _rank_rng(self) -> dict:
         """This rank's saved RNG states (each rank samples its own prompts with its own streams)."""
@@ -329,6 +389,7 @@ class Run:
             signal.signal(signal.SIGINT, self._old_sigint)
             self._old_sigint = None
         distributed.teardown()
+        self._drop_lock()
 
     def __enter__(self) -> Run:
         return self

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_microbatch_train_step
 from ..data import SFTPair, conversation_segments
-from ..envs import EnvBackend, build_env, loss_mask_tensor, replay_demonstrations
+from ..envs import EnvBackend, loss_mask_tensor, replay_demonstrations
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from . import distributed
@@ -165,7 +165,7 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg, check_train=False)) as run:
         model, tokenizer = run.model, run.tokenizer
-        env = build_env(**cfg.env, tokenizer=tokenizer) if cfg.env is not None else None
+        env = run.env  # built by Run before the run directory was touched
         sequences, pad_id = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos), pad_token_id(tokenizer)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
