@@ -86,7 +86,35 @@ def main() -> None:
                 print(json.dumps({"case": f"{strategy}/{norm}/{loss}/kl={kl}", "max_abs_diff": diff, "scale": scale, "ratio": ratio}),
                       flush=True)
     distributed._CURRENT = dist
+    check_advantages(dist)
     distributed.teardown()
+
+
+ADVANTAGE_CASES = {
+    "grpo/group": {}, "grpo/batch": {"scale_rewards": "batch"}, "grpo/whiten": {"whiten_advantages": True},
+    "rloo": {"advantage_estimator": "rloo"}, "reinforce_plus_plus": {"advantage_estimator": "reinforce_plus_plus"},
+    "reinforce_plus_plus/baseline": {"advantage_estimator": "reinforce_plus_plus", "group_baseline": True},
+}
+
+
+def check_advantages(dist) -> None:
+    """The trainer's own advantage code (grpo.group_advantages) on each rank's share of the groups
+    against one process on the whole batch: batch-wide statistics must be the whole batch's."""
+    from grpolab.algorithms.grpo import group_advantages
+
+    raw = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.25, 1.0])
+    mine = distributed.shard(list(range(N)))
+    for case, options in ADVANTAGE_CASES.items():
+        cfg = GRPOConfig(rollout_batch_size=N, group_size=GROUP, train_batch_size=N, gradient_accumulation_steps=2,
+                         sampling_max_tokens=8, device="cpu", show_progress=False, **options)
+        distributed._CURRENT = distributed.Dist()
+        ref = group_advantages(raw, cfg)
+        distributed._CURRENT = dist
+        got = torch.tensor([a for share in distributed.all_gather_objects(group_advantages(raw[mine], cfg).tolist())
+                            for a in share])
+        if dist.is_main:
+            print(json.dumps({"case": f"advantages/{case}", "max_abs_diff": float((got - ref).abs().max()),
+                              "scale": float(ref.abs().max())}), flush=True)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,14 @@ def test_gradient_two_ranks_equals_one_for_every_normalisation_and_loss():
     out = torchrun(["tests/distributed_grad_check.py"])
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     from grpolab.core import LENGTH_NORMALIZATIONS, policy_loss_names
+    from tests.distributed_grad_check import ADVANTAGE_CASES
 
+    # the advantages the trainer computes on 2 ranks (no injection) equal one process's, batch-wide
+    # statistics included (scale_rewards: batch, REINFORCE++, whitening were per rank before)
+    advantages = [r for r in rows if r["case"].startswith("advantages/")]
+    assert {r["case"] for r in advantages} == {f"advantages/{c}" for c in ADVANTAGE_CASES}
+    assert all(r["max_abs_diff"] <= 1e-6 and r["scale"] > 0.1 for r in advantages), advantages
+    rows = [r for r in rows if not r["case"].startswith("advantages/")]
     assert len(rows) == 2 * (len(LENGTH_NORMALIZATIONS) * len(policy_loss_names()) + 1)
     for row in rows:
         assert row["scale"] > 1e-3, row  # a real gradient, not zero against zero
@@ -110,8 +117,14 @@ def check_lora_final(run_dir: Path, merged: dict, scaling: float) -> None:
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not adapted
 
 
-def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path):
-    args = [*RUN, "--distributed", "fsdp2", "--checkpoint-every", "1", "--learning-rate", "0.003"]
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path, strategy):
+    """The sharded optimizer state is read back without unpickling code (DCP metadata through an
+    allow-list, DeepSpeed files with weights_only=True) and the resumed run ends bit-identical."""
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'grpolab[scale]')")
+    extra = ["--deepspeed-config", "configs/deepspeed_zero3.json"] if strategy == "deepspeed" else []
+    args = [*RUN, "--distributed", strategy, *extra, "--checkpoint-every", "1", "--learning-rate", "0.003"]
     torchrun([*args, "--run-dir", str(tmp_path / "whole")])
     killed = tmp_path / "killed"
     cmd = [*TORCHRUN, "--master_port", str(_port()), *args, "--run-dir", str(killed)]
@@ -123,7 +136,8 @@ def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, mid-run
     proc.wait()
     assert not (killed / "final").exists(), "the run finished before it was killed"
-    torchrun([*RUN[:2], "grpo", "--resume", str(killed)])
+    out = torchrun([*RUN[:2], "grpo", "--resume", str(killed)])
+    assert out.stderr.count("grpolab: resuming from ") == 1  # rank 0 says which checkpoint, once
     a, b = weights(tmp_path / "whole" / "final"), weights(killed / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

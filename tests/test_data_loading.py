@@ -114,10 +114,9 @@ def test_load_examples_checks_directories_and_empty_files(tmp_path):
         load_examples(str(tmp_path / "missing.jsonl"))
 
 
-def test_require_field_is_public_and_the_old_name_still_works():
+def test_require_field_is_public():
     from grpolab.data import require_field
-    from grpolab.data.datasets import _require, read_jsonl_records  # noqa: F401 - kept for eval/report.py
 
-    assert _require is require_field and require_field({"a": 1}, "a") == 1
+    assert require_field({"a": 1}, "a") == 1
     with pytest.raises(KeyError, match="empty field 'a'"):
         require_field({"a": " "}, "a")

@@ -11,6 +11,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..envs import check_env_options, check_retrieval_options
+from ..rewards import check_reward_spec
 
 # Mappings checked key by key when the config is built (an unknown key is a config error naming the
 # field, not a TypeError deep in the run): a tool environment (envs.build_env's keys), and the
@@ -143,7 +144,8 @@ class RunConfig(BaseConfig):
     # retrieval-augmented prompts: a template's {context} gets the top BM25 passages for each question,
     # e.g. {corpus: corpus.jsonl, top_k: 2, max_chars: 200, cache_dir: runs/bm25, text_field: text}
     retrieval: RetrievalOptions = None
-    reward: Any = None  # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
+    # a reward name, "pkg.mod:fn", or weighted components; default: task's, else r1_zero
+    reward: Annotated[Any, AfterValidator(lambda v: v if v is None else check_reward_spec(v))] = None
     # --- optimizer basics (AdamW as in CS336)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)

@@ -33,7 +33,7 @@ from ..core import (
     policy_loss_names,
     whiten,
 )
-from ..envs import EnvBackend, build_env, tool_metrics
+from ..envs import EnvBackend, tool_metrics
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from .batching import (
@@ -44,6 +44,7 @@ from .batching import (
     optimizer_batches,
 )
 from .config import EnvOptions, PolicyUpdateConfig
+from . import distributed
 from .distributed import mean_metrics
 from .gradients import accumulate_policy_gradient
 from .health import HealthMonitor, rollout_health
@@ -163,15 +164,24 @@ class GRPOConfig(PolicyUpdateConfig):
 
 
 def group_advantages(raw_rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
-    """Group-normalised rewards (zero-variance groups get exactly 0), optionally whitened."""
+    """Group-normalised rewards (zero-variance groups get exactly 0), optionally whitened.
+
+    Under torchrun each rank holds a contiguous share of the rollout batch's groups, but batch-wide
+    statistics (``scale_rewards: batch``, ``reinforce_plus_plus``, ``whiten_advantages``) are of the
+    whole batch: every rank gathers all ranks' rewards (N floats each), computes the advantages of
+    the whole batch with the same code as one process, and keeps its own rows — equal to the
+    single-process advantages whatever the number of processes."""
+    shares = distributed.all_gather_objects(raw_rewards.tolist())
+    whole = torch.tensor([r for share in shares for r in share], dtype=raw_rewards.dtype)
+    start = sum(len(share) for share in shares[: distributed.current().rank])
     options = {"advantage_eps": cfg.advantage_eps, "use_std_normalization": cfg.use_std_normalization,
                "group_baseline": cfg.group_baseline}
     if cfg.scale_rewards is not None:
         options["scale_rewards"] = cfg.scale_rewards
-    advantages = compute_advantages(cfg.advantage_estimator, raw_rewards, cfg.group_size, **options)
+    advantages = compute_advantages(cfg.advantage_estimator, whole, cfg.group_size, **options)
     if cfg.whiten_advantages and len(advantages) > 1:
         advantages = whiten(advantages, torch.ones_like(advantages, dtype=torch.bool))
-    return advantages
+    return advantages[start : start + len(raw_rewards)]
 
 
 def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, ref_model) -> dict[str, float]:
@@ -297,7 +307,8 @@ def log_step(run: Run, health: HealthMonitor, update: Update, m: dict, last_rewa
     for i, record in enumerate(update.records or [{"grpo_step": step}]):
         run.log({**record, **(m if i == 0 else {})})
     figures = {k[7:]: v for k, v in m.items() if k.startswith("health/")}
-    for message in health.update({**figures, "reward_mean": m["train/reward"], "last_reward_error": last_reward_error}):
+    for message in health.update({**figures, "reward_mean": m["train/reward"], "last_reward_error": last_reward_error,
+                                  "tools/errors_per_rollout": m.get("tools/errors_per_rollout")}):
         run.bar.write(f"grpolab health: {message}")
     run.bar.set_postfix(reward=f"{m['train/reward']:.3f}")
 
@@ -328,7 +339,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
                                **cfg.backend_options())
         if cfg.env is not None:  # multi-turn: the environment runs the tools around the same backend
-            backend = EnvBackend(backend, build_env(**cfg.env, tokenizer=tokenizer))
+            backend = EnvBackend(backend, run.env)
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None

@@ -138,9 +138,6 @@ def prompt_messages(messages: list[dict], name: str = "messages") -> list[dict]:
     return messages[: last_user + 1]
 
 
-_require = require_field  # the old private name, kept until every caller uses require_field
-
-
 def _stamp_source(record: Any, where: str) -> Any:
     """Record ``where`` in ``record.meta["source"]`` or ``record.source`` when it has one and it is unset."""
     if isinstance(getattr(record, "meta", None), dict):

