@@ -112,7 +112,8 @@ def test_sft_config_errors():
     with pytest.raises(ConfigError, match="train_batch_size"):
         SFTConfig.build(None, {"train_batch_size": 10, "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="exactly one of task"):
-        SFTConfig.build(None, {"train_data": "x.jsonl"})
+        SFTConfig.build(None, {"train_data": "x.jsonl", "task": "arithmetic"})  # both given explicitly
+    assert SFTConfig.build(None, {"train_data": "x.jsonl"}).task is None  # a file alone: no embedded task
 
 
 # ---------------------------------------------------------------- trainer
