@@ -178,3 +178,14 @@ def test_env_parses_calls_and_sanitises_observations():
     assert env.stop_strings(["</answer>", "END"]) == ["</calculate>", "</answer>", "END"]
     with pytest.raises(ValueError, match="unknown tool 'browse'"):
         build_env(["browse"])
+
+
+def test_an_env_file_may_hold_a_configs_env_block_whole(tmp_path):
+    from grpolab.envs import load_env_file
+
+    (tmp_path / "keys.yaml").write_text("tools: [calculate]\nmax_turns: 2\n")
+    (tmp_path / "block.yaml").write_text("env:\n  tools: [calculate]\n  max_turns: 2\n")  # pasted from a config
+    assert load_env_file(tmp_path / "block.yaml") == load_env_file(tmp_path / "keys.yaml")
+    (tmp_path / "bad.yaml").write_text("env:\n  max_turns: two\n")
+    with pytest.raises(ValueError, match="bad.yaml: .*max_turns"):
+        load_env_file(tmp_path / "bad.yaml")

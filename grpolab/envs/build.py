@@ -198,6 +198,9 @@ def load_env_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{path}: no such environment file")
     try:
-        return check_env_options(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+        options = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if isinstance(options, dict) and set(options) == {"env"}:  # a config's env: block, pasted whole
+            options = options["env"] or {}
+        return check_env_options(options)
     except (ValueError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None
