@@ -301,6 +301,23 @@ def test_overwrite_with_a_bad_env_leaves_the_finished_run_alone(tmp_path, comman
     assert (run_dir / "metrics.jsonl").read_text() == '{"sft_step": 0}\n'
 
 
+def test_overwrite_with_impossible_backend_options_leaves_the_finished_run_alone(tmp_path):
+    """vLLM's options are checked before the directory is touched: without vLLM here (the light
+    suite's venv) it is the missing package, with it (a CPU) sleep mode without CUDA."""
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+
+    run_dir = tmp_path / "run"
+    _finished_run(run_dir)
+    cfg = GRPOConfig.build(ROOT / "configs" / "grpo_tiny.yaml", {
+        "run_dir": str(run_dir), "eval_examples": 1, "task_train_size": 8, "show_progress": False,
+        "rollout_backend": "vllm", "vllm_enable_sleep_mode": True})
+    with pytest.raises(ValueError, match="rollout_backend 'vllm'|vllm_enable_sleep_mode needs a CUDA GPU"):
+        train_grpo(cfg, overwrite=True)
+    assert (run_dir / "final" / "model.safetensors").exists(), "--overwrite deleted final/ before the backend failed"
+    assert (run_dir / "checkpoints" / "step_2").is_dir()
+    assert (run_dir / "metrics.jsonl").read_text() == '{"sft_step": 0}\n'
+
+
 def test_a_reward_module_that_exits_at_import_is_one_line_and_nothing_is_touched(tmp_path):
     (tmp_path / "exits_at_import.py").write_text("import os\nos._exit(3)\ndef fn(r, g):\n    return {'reward': 0.0}\n")
     run_dir = tmp_path / "run"

@@ -177,6 +177,10 @@ class Run:
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
             check_inputs(self.sampling_model, self.tokenizer, self.device)
         self.env = self._build_env(cfg)  # the tools, the retrieval index: built before the directory is touched
+        if getattr(cfg, "rollout_backend", "hf") == "vllm":  # the backend's options, before anything is touched
+            from ..rollout.vllm import check_vllm_options
+
+            check_vllm_options(**cfg.backend_options())
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
         if self.is_main:

@@ -95,6 +95,22 @@ def _engine_dir(model, tokenizer) -> tempfile.TemporaryDirectory:
     return d
 
 
+def check_vllm_options(enable_sleep_mode: bool = False, tensor_parallel_size: int = 1, **_) -> None:
+    """What can be known about a vLLM backend before any engine starts: vLLM importable on this
+    machine, sleep mode only with CUDA, no more tensor-parallel ranks than GPUs. A one-line
+    ValueError otherwise (a trainer calls this before its run directory is touched)."""
+    reason = vllm_unavailable_reason()
+    if reason:
+        raise ValueError(f"rollout_backend 'vllm': {reason}")
+    cuda = torch.cuda.is_available()
+    if enable_sleep_mode and not cuda:
+        raise ValueError("vllm_enable_sleep_mode needs a CUDA GPU (vLLM's CPU backend has no sleep mode); "
+                         "set it to false")
+    if cuda and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"vllm_tensor_parallel_size ({tensor_parallel_size}) exceeds the {torch.cuda.device_count()} "
+                         "GPU(s) of this machine")
+
+
 class VLLMRolloutBackend:
     """``generate(prompts, n, sampling)`` on a colocated vLLM engine; ``sync_weights(model)``
     after each update. Knobs (the ``vllm_*`` config fields): ``gpu_memory_utilization``,
@@ -106,13 +122,8 @@ class VLLMRolloutBackend:
                  autocast_dtype=None, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, dtype: str = "float32",
                  cpu_kvcache_space_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0):
-        reason = vllm_unavailable_reason()
-        if reason:
-            raise ValueError(f"rollout_backend 'vllm': {reason}")
+        check_vllm_options(enable_sleep_mode, tensor_parallel_size)
         cuda = torch.cuda.is_available()
-        if enable_sleep_mode and not cuda:
-            raise ValueError("vllm_enable_sleep_mode needs a CUDA GPU (vLLM's CPU backend has no sleep mode); "
-                             "set it to false")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the trainer's output
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
