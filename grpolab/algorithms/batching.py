@@ -130,6 +130,9 @@ class RolloutBatch:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # sampler/trainer importance-sampling correction, per token
+    # the trainer's log-probs of every sampled token before the update, where they were computed
+    # (off-policy, or for the IS correction): what the sampler/trainer mismatch is measured on
+    pre_update_log_probs: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors ``take_rows`` slices: per-token ones and per-row ones as (batch, 1)."""

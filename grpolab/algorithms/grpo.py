@@ -192,6 +192,7 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     if cfg.off_policy or correct:
         batch.old_log_probs = batched_log_probs(run.model, batch, rows_per_pass, run.device, run.autocast,
                                                 cfg.policy_temperature)
+        batch.pre_update_log_probs = batch.old_log_probs
     if ref_model is not None:
         batch.ref_log_probs = batched_log_probs(ref_model, batch, rows_per_pass, run.device, run.autocast,
                                                 cfg.policy_temperature)
@@ -283,9 +284,10 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update: Update, group
     ans = torch.tensor([s.get("answer_reward", s["reward"]) for s in scores])
     # the trainer's log-prob of every sampled token is known where old log-probs were computed (off-policy, IS
     # correction: every row), else on the rows the update forwarded
-    measured = update.trained if batch.old_log_probs is None else torch.ones_like(update.trained)
+    every_row = batch.pre_update_log_probs is not None
+    measured = torch.ones_like(update.trained) if every_row else update.trained
     health = rollout_health(raw, group_size, [r.finish_reason for r in rollouts], fmt, ans, batch.sampler_log_probs,
-                            update.trainer_lp if batch.old_log_probs is None else batch.old_log_probs,
+                            batch.pre_update_log_probs if every_row else update.trainer_lp,
                             batch.response_mask & measured.unsqueeze(1))
     m = {
         "train/reward": float(raw.mean()), "train/reward_std": float(raw.std()) if len(raw) > 1 else 0.0,
