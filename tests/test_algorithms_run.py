@@ -190,11 +190,7 @@ def start_and_sigkill(argv: list[str], run_dir: Path, log_dir: Path, name: str) 
     SIGKILL it."""
     proc = Proc(argv, log_dir, name)
     marker = run_dir / "checkpoints" / "step_1" / "trainer_state.pt"
-    deadline = time.monotonic() + TIMEOUT
-    while not marker.exists():
-        assert proc.proc.poll() is None, f"{name} ended before its first checkpoint:\n{proc.stderr[-4000:]}"
-        assert time.monotonic() < deadline, f"{name}: no checkpoint within {TIMEOUT}s"
-        time.sleep(0.01)
+    _wait_for(marker.exists, proc, f"{name}'s first checkpoint")
     metrics = run_dir / "metrics.jsonl"
     size = metrics.stat().st_size
     grow_until = time.monotonic() + 10
@@ -418,11 +414,26 @@ def test_a_hanging_or_crashing_reward_neither_stalls_nor_ends_the_run(tmp_path):
 # ---------------------------------------------------------------- 6. Ctrl-C
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux ``/proc``): what a run has done, which a
+    busy machine does not inflate the way it inflates wall time."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:  # it just ended: the caller's poll() says so next
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wait_for(predicate, proc: Proc, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
+    """Until ``predicate()``; fails if the run ends first, or spends ``timeout`` seconds of its own
+    CPU without getting there. The wall clock is only a far guard against a run that stalls
+    without using CPU (10x the budget), so load alone cannot fail it."""
+    guard, cpu0 = time.monotonic() + 10 * timeout, _cpu_seconds(proc.proc.pid)
     while not predicate():
         assert proc.proc.poll() is None, f"the run ended before {what}:\n{proc.stderr[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        used = _cpu_seconds(proc.proc.pid) - cpu0
+        assert used < timeout, f"no {what} within {timeout} CPU seconds of the run"
+        assert time.monotonic() < guard, f"no {what}: the run stalled for {10 * timeout}s"
         time.sleep(0.01)
 
 

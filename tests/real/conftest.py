@@ -3,18 +3,15 @@ it could not be had, every test here is skipped with the one-line reason, never 
 
 import pytest
 
+from tests.skips import skip_folder
+
 from tests.real import real_model
 
 MODEL_DIR, REASON = real_model.status()
 
 
 def pytest_collection_modifyitems(config, items):
-    if REASON is None:
-        return
-    skip = pytest.mark.skip(reason=f"real model unavailable: {REASON}")
-    for item in items:
-        if "tests/real/" in str(item.path).replace("\\", "/"):
-            item.add_marker(skip)
+    skip_folder(items, "real", None if REASON is None else f"real model unavailable: {REASON}")
 
 
 @pytest.fixture(scope="session")

@@ -4,18 +4,15 @@ with the one-line reason (an instruction set, a missing package), never silently
 
 import pytest
 
+from tests.skips import skip_folder
+
 from grpolab.rollout.vllm import vllm_unavailable_reason
 
 REASON = vllm_unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):
-    if REASON is None:
-        return
-    skip = pytest.mark.skip(reason=f"vLLM cannot run here: {REASON}")
-    for item in items:
-        if "tests/vllm/" in str(item.path).replace("\\", "/"):
-            item.add_marker(skip)
+    skip_folder(items, "vllm", None if REASON is None else f"vLLM cannot run here: {REASON}")
 
 
 @pytest.fixture(scope="session")
