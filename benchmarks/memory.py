@@ -7,7 +7,7 @@ Every configuration is a real, separate run of the trainer (``benchmarks/memory_
 ``torchrun``, or alone for one process): ``--steps`` GRPO steps of 16 rollouts (4 prompts x group 4)
 of up to 16 new tokens, on-policy, no reference model (``kl_coef: 0``), AdamW, reward "the response
 has an even length" (varies within most groups, so every step has a gradient). Each rank reports
-its own peak RSS (``ru_maxrss``: the high-water mark of the process, whole run: model load,
+its own peak RSS (VmHWM: the high-water mark of the process, whole run: model load,
 engine set-up, sampling, update, saving ``final/``); the table gives the largest and smallest over
 ranks, and the same minus the RSS of an idle process that only imported torch, transformers and
 grpolab (measured first), i.e. what training costs. Step time: the median wall time of an outer
@@ -18,7 +18,7 @@ One process uses all the cores' threads; 2 ranks use one thread each (``OMP_NUM_
 
 LoRA with DeepSpeed is refused by the config (use DDP or FSDP2) and shown as "refused".
 
-Usage: python benchmarks/memory.py [--steps 6] [--only single,ddp,...] [--lora-r 8]
+Usage: python benchmarks/memory.py [--steps 6] [--only single,ddp,...] [--lora-r 8] [--model DIR]
 The last line is one JSON object with every figure.
 """
 
@@ -38,8 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = ROOT / "benchmarks" / "memory_rank.py"
-IDLE = ("import resource, torch, transformers, grpolab, grpolab.algorithms.grpo;"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+IDLE = ("import sys, torch, transformers, grpolab, grpolab.algorithms.grpo;"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import memory_rank; print(memory_rank.peak_mb())")
 
 # (name, distributed, ranks, extra overrides)
 ROWS = [
@@ -70,7 +70,7 @@ def idle_baseline_mb() -> float:
 
 
 def overrides(args, strategy: str, lora: bool, extra: list[str], run_dir: Path) -> list[str]:
-    out = ["--model", "embedded:small", "--n-grpo-steps", str(args.steps), "--rollout-batch-size", "16",
+    out = ["--model", args.model, "--n-grpo-steps", str(args.steps), "--rollout-batch-size", "16",
            "--group-size", "4", "--train-batch-size", "16", "--gradient-accumulation-steps", "2",
            "--sampling-max-tokens", "16", "--learning-rate", "1e-4", "--kl-coef", "0",
            "--reward", "tests.reward_fixtures:length_parity", "--eval-every", "0", "--eval-examples", "4",
@@ -144,6 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--model", default="embedded:small", help="embedded:NAME or a model directory")
     parser.add_argument("--only", default="", help="comma-separated setting names (default: all)")
     parser.add_argument("--timeout", type=float, default=240)
     args = parser.parse_args()
@@ -168,7 +169,7 @@ def main() -> None:
                 print(f"  {key}: {r['status']} {r.get('peak_rss_mb', r.get('error', ''))} "
                       f"step {r.get('step_s_median')}s (process {r.get('process_wall_s')}s)", flush=True)
     print()
-    print(f"GRPO on embedded:small, {args.steps} steps of 16 rollouts x <=16 tokens; {platform.processor() or platform.machine()}, "
+    print(f"GRPO on {args.model}, {args.steps} steps of 16 rollouts x <=16 tokens; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; idle process {idle:.0f} MB")
     print(table(results, idle))
     print(json.dumps({"idle_rss_mb": round(idle, 1), "steps": args.steps, "lora_r": args.lora_r,

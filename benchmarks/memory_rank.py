@@ -1,6 +1,6 @@
 """One process of ``benchmarks/memory.py`` (run directly, or by ``torchrun`` once per rank): a short
 GRPO run through the trainer API, then this rank's figures written to ``OUT/rank<N>.json``:
-the peak RSS (``ru_maxrss``) of the whole run, the RSS right after the imports, and the wall and CPU
+the peak RSS (VmHWM) of the whole run, the RSS right after the imports, and the wall and CPU
 time of every outer step (``Run.end_step`` to ``Run.end_step``).
 
 Usage: memory_rank.py OUT_DIR --field value ...   (GRPOConfig fields over configs/grpo_tiny.yaml)
@@ -34,7 +34,13 @@ def rss_mb() -> float:
 
 
 def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak RSS: /proc's VmHWM (Linux). Not ``ru_maxrss``, which keeps the RSS of the
+    parent a process was forked from (vfork + exec from a big pytest or launcher inflates it)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ def _trainers():
     from .algorithms.expert_iteration import EIConfig, train_expert_iteration
     from .algorithms.grpo import GRPOConfig, train_grpo
     from .algorithms.ppo import PPOConfig, train_ppo
+    from .algorithms.rm import RMConfig, train_rm
     from .algorithms.sft import SFTConfig, train_sft
 
     return {
@@ -57,6 +58,7 @@ def _trainers():
         "ei": (EIConfig, train_expert_iteration),
         "ppo": (PPOConfig, train_ppo),
         "dpo": (DPOConfig, train_dpo),
+        "rm": (RMConfig, train_rm),
     }
 
 
@@ -152,6 +154,13 @@ def _report_dpo(result) -> None:
     _report(result)
 
 
+def _report_rm(result) -> None:
+    if result.before is not None:
+        typer.echo(f"held-out pairwise accuracy: {result.before['pairwise_accuracy']:.3f} -> "
+                   f"{result.after['pairwise_accuracy']:.3f}")
+    _report(result)
+
+
 # command -> (help, how its result is reported); the trainer of each is in _trainers() above
 TRAINING_COMMANDS = {
     "grpo": ("Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value.", _report),
@@ -159,6 +168,7 @@ TRAINING_COMMANDS = {
     "ei": ("Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them.", _report_ei),
     "ppo": ("PPO with a value head and GAE (the RLHF baseline GRPO is measured against).", _report),
     "dpo": ("DPO on preference pairs; reports held-out preference accuracy.", _report_dpo),
+    "rm": ("Train a reward model (Bradley-Terry) on preference pairs; reports held-out pairwise accuracy.", _report_rm),
 }
 
 
@@ -177,10 +187,10 @@ for _name, (_help, _reporter) in TRAINING_COMMANDS.items():
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option(..., "--model", help="A Hugging Face model directory, a LoRA adapter directory, or embedded:tiny."),
-    data: str = typer.Option(..., "--data", help="Questions: a JSONL file (GSM8K, MATH, plain, conversational) or task:NAME (embedded)."),
+    data: str = typer.Option(..., "--data", help="Questions: a JSONL file (GSM8K, MATH, plain, conversational), task:NAME (embedded) or rg:NAME (reasoning-gym)."),
     prompt_template: Optional[str] = typer.Option(None, "--prompt-template", help="r1_zero, compact, question_only, chat, chat_r1 or a file; default: the tokenizer's chat template where it has one, else the task's, else r1_zero."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="Chat templates: a system message (text or a file)."),
-    reward: Optional[str] = typer.Option(None, "--reward"),
+    reward: Optional[str] = typer.Option(None, "--reward", help="A reward name, 'pkg.mod:fn', or YAML: '{model: runs/rm/final}' (a reward model), a weighted list."),
     k: int = typer.Option(4, "--k", help="Samples per question (pass@k, maj@k, consistency)."),
     n: int = typer.Option(200, "--n", help="Questions to evaluate."),
     temperature: float = typer.Option(1.0, "--temperature"),
@@ -217,12 +227,14 @@ def eval_cmd(
         if min_tokens < 0 or min_tokens > max_tokens:
             raise ValueError(f"--min-tokens must be within [0, --max-tokens ({max_tokens})], got {min_tokens}")
         options = _key_values(task_option or [], "--task-option")
-        if options and not data.startswith("task:"):
-            raise ValueError("--task-option applies to an embedded task (--data task:NAME)")
+        if options and not data.startswith(("task:", "rg:")):
+            raise ValueError("--task-option applies to a generated task (--data task:NAME or rg:NAME)")
         stops = ["</answer>"] if stop is None else [s for s in stop if s]
         check_writable(out)  # before any sampling: an unwritable --out must not cost the run
         retrieval = {"corpus": rag_corpus, "top_k": rag_top_k} if rag_corpus is not None else None
         tok = load_tokenizer(model)  # first: it renders chat prompts, and a bad path fails before the weights load
+        if reward is not None and reward.lstrip().startswith(("{", "[")):  # a reward model or a weighted list
+            reward = _key_values([f"reward={reward}"], "--reward")["reward"]
         examples, template, reward_fn = task_or_file(data, n, seed=seed, prompt_template=prompt_template, reward=reward,
                                                      retrieval=retrieval, task_options=options, tokenizer=tok,
                                                      system_prompt=system_prompt)
@@ -359,6 +371,64 @@ def demo(
         from .demo import run_demo
 
         run_demo(run_dir, seed=seed, sft_steps=sft_steps, grpo_steps=grpo_steps, test_examples=test_examples)
+    except _user_errors() as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def view(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (each with metrics.jsonl); later ones are overlaid."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The HTML file (default: view.html in the first run directory)."),
+    serve: bool = typer.Option(False, "--serve", help="Serve the page on 127.0.0.1 (rebuilt at each load) instead."),
+    port: int = typer.Option(8000, "--port", help="With --serve: the port (0: any free one)."),
+) -> None:
+    """A run's curves, config and per-token records (tokens.jsonl) in one self-contained HTML page."""
+    from .viewer import make_server, render, write_report
+
+    try:
+        if serve and not 0 <= port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {port}")
+        if not serve or out is not None:
+            typer.echo(f"wrote {write_report(run_dirs, out)}")
+        if not serve:
+            return
+        render(run_dirs)  # every run directory is readable before the server starts
+    except _user_errors() as exc:
+        _fail(str(exc))
+    try:
+        server = make_server(run_dirs, port)
+    except OSError as exc:
+        _fail(f"--port {port}: cannot listen on 127.0.0.1 ({exc.strerror or exc})")
+    typer.echo(f"serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@app.command(context_settings=EXTRA)
+def plan(
+    ctx: typer.Context,
+    config: Path = typer.Option(..., "--config", "-c", help="Any trainer's YAML config; --field value overrides follow."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs (one rank each); without it: this machine's CPU and memory."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Memory of each GPU in GiB (e.g. 80)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="On the CPU: processes (torchrun --nproc_per_node)."),
+    method: Optional[str] = typer.Option(None, "--method", help="grpo, sft, ei, ppo or dpo (default: from the config's steps key)."),
+    architecture: Optional[str] = typer.Option(None, "--architecture", help="A named model shape (Qwen2.5-Math-1.5B, Qwen2.5-Math-7B) instead of the model's config.json."),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Prompt length (default: the longest training prompt, where the data is here)."),
+) -> None:
+    """Per-rank memory of a run (weights, gradients, AdamW, activations, log-prob buffers, reference,
+    vLLM) from its config and the model's config.json, whether it fits, and the largest micro-batch."""
+    _quiet_hf()
+    from .algorithms.config import parse_overrides
+    from .algorithms.memory_plan import Hardware, config_for_plan, estimate, format_plan
+
+    try:
+        cfg = config_for_plan(_trainers(), config, parse_overrides(list(ctx.args)), method)
+        hw = Hardware.detect(gpus, gpu_memory, nproc)
+        typer.echo(format_plan(estimate(cfg, hw, architecture, prompt_tokens), cfg))
     except _user_errors() as exc:
         _fail(str(exc))
 

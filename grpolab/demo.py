@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.health import UnhealthyRunError
 from .algorithms.metrics import plot_grpo_run
 from .algorithms.sft import SFTConfig, train_sft
 from .algorithms.inputs import prompt_template_for
@@ -31,6 +32,16 @@ from .presets import TASK, TASK_OPTIONS, TEST_EXAMPLES
 from .rollout import SamplingParams, make_backend
 
 WRONG_FRACTION = TASK_OPTIONS["wrong_fraction"]
+# GRPO stops when the health check finds no learning signal (every group all-wrong) for this many
+# steps in a row, instead of training its whole budget on zero advantages
+NO_SIGNAL_STEPS = 5
+
+
+def no_signal_line(what: str, accuracy: float, flag: str) -> str:
+    """The one line a demo prints when its warm start gives GRPO nothing to learn from."""
+    return (f"grpolab demo: GRPO stopped after {NO_SIGNAL_STEPS} steps with no learning signal: every group's answers "
+            f"all scored 0 (the SFT start solves {accuracy:.1%} of held-out {what}), so every advantage is 0. "
+            f"Try a longer warm-up ({flag}) or another --seed.")
 
 
 def _table(before: dict, after: dict) -> str:
@@ -75,11 +86,18 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     timings["eval_before_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    grpo_cfg = GRPOConfig(**{**GRPO, **common, "run_dir": str(run_dir / "grpo")})
+    grpo_cfg = GRPOConfig(**{**GRPO, **common, "run_dir": str(run_dir / "grpo"), "health_window": NO_SIGNAL_STEPS,
+                             "stop_on_unhealthy": ["zero_variance"]})
     if grpo_steps is not None:
         grpo_cfg = grpo_cfg.model_copy(update={"n_grpo_steps": grpo_steps})
     print(f"[3/4] GRPO ({grpo_cfg.n_grpo_steps} steps, {grpo_cfg.rollout_batch_size} rollouts each)")
-    grpo_result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
+    try:
+        grpo_result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
+    except UnhealthyRunError:  # zero advantages left the weights as they were: the SFT figures stand
+        stopped = no_signal_line("questions", before["accuracy"], f"--sft-steps {2 * SFT['n_sft_steps']}")
+        print(stopped)
+        timings.update(grpo_s=time.perf_counter() - t, total_s=time.perf_counter() - start)
+        return _write_summary(run_dir, model, tokenizer, None, before, before, timings, seed, len(test), stopped=stopped)
     timings["grpo_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -92,23 +110,25 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
 
 
 def _write_summary(run_dir: Path, model, tokenizer, grpo_result, before: dict, after: dict, timings: dict, seed: int,
-                   n_test: int) -> dict:
-    """Save the final model and plot, write ``summary.json`` and print the table."""
+                   n_test: int, stopped: str | None = None) -> dict:
+    """Save the final model and plot, write ``summary.json`` and print the table. ``stopped``: the
+    line saying why GRPO stopped without a signal (then there is no GRPO result)."""
     final = save_final(model, tokenizer, run_dir / "final")
-    plot = plot_grpo_run(grpo_result.metrics_path, run_dir / "grpo_demo.png",
+    metrics = run_dir / "grpo" / "metrics.jsonl" if grpo_result is None else grpo_result.metrics_path
+    plot = plot_grpo_run(metrics, run_dir / "grpo_demo.png",
                          "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
-    summary = {
+    summary = {"grpo_stopped": stopped,
         "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": n_test,
         "before": before, "after": after,
         "accuracy_gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
         "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
-        "paths": {"run_dir": str(run_dir), "metrics": str(grpo_result.metrics_path), "plot": str(plot), "final": str(final)},
+        "paths": {"run_dir": str(run_dir), "metrics": str(metrics), "plot": str(plot), "final": str(final)},
     }
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     print()
     print(_table(before, after))
     print(f"\naccuracy gain: {summary['accuracy_gain_points']:+.1f} points   wall time: {timings['total_s']:.0f} s "
           f"(SFT {timings['sft_s']:.0f} s, GRPO {timings['grpo_s']:.0f} s)")
-    print(f"run directory: {run_dir}\nmetrics:       {grpo_result.metrics_path}\nplot:          {plot}\n"
+    print(f"run directory: {run_dir}\nmetrics:       {metrics}\nplot:          {plot}\n"
           f"final model:   {final}\nsummary:       {run_dir / 'summary.json'}")
     return summary

@@ -37,8 +37,10 @@ import torch
 
 from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
+from .algorithms.health import UnhealthyRunError
 from .algorithms.metrics import read_metrics
 from .algorithms.sft import SFTConfig, train_sft
+from .demo import NO_SIGNAL_STEPS, no_signal_line
 from .data import SFTPair, get_task, load_template
 from .envs import (
     EnvBackend,
@@ -54,10 +56,16 @@ from .rollout import SamplingParams, make_backend
 TOOLS_TASK_OPTIONS = {"num_entities": 1000, "relations": "ruler,river,mayor", "wrong_fraction": 0.5,
                       "wrong_kind": "answer"}
 TOOLS_ENV = dict(top_k=1, max_chars=100, max_turns=2, max_total_tokens=96)
-# SFT on the replayed demonstrations (observations out of the loss): per-sequence summed NLL
-TOOLS_SFT = dict(n_sft_steps=500, train_batch_size=32, gradient_accumulation_steps=1, learning_rate=3e-3,
+# SFT on the replayed demonstrations (observations out of the loss): per-sequence summed NLL. Its
+# length is chosen by validation: tool-use success on SFT_VALIDATION held-out validation questions
+# (sampled through the live tool at temperature 1) is measured every SFT_CHECK_EVERY steps, and SFT
+# stops at the first check that reaches SFT_TARGET, within a cap of n_sft_steps (a start that
+# imitation leaves near 0 % gives GRPO groups with no right answer, hence no signal)
+SFT_TARGET, SFT_CHECK_EVERY, SFT_VALIDATION = 0.15, 100, 100
+TOOLS_SFT = dict(n_sft_steps=1500, train_batch_size=32, gradient_accumulation_steps=1, learning_rate=3e-3,
                  warmup_steps=15, lr_schedule="cosine", normalize_constant=1.0, task_train_size=2000,
-                 prompt_template="compact", eval_examples=50, log_generations_samples=0, sampling_max_tokens=40)
+                 prompt_template="compact", eval_examples=SFT_VALIDATION, eval_every=SFT_CHECK_EVERY,
+                 stop_at_eval_accuracy=SFT_TARGET, log_generations_samples=0, sampling_max_tokens=40)
 TOOLS_RAG_EXAMPLES = 500  # of the SFT questions also shown as retrieval-augmented prompts
 # GRPO with the live tool: 8 questions x 8 answers per step, one on-policy optimizer step
 TOOLS_GRPO = dict(n_grpo_steps=100, rollout_batch_size=64, group_size=8, train_batch_size=64,
@@ -127,17 +135,21 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
     common = dict(task="retrieval", task_options=TOOLS_TASK_OPTIONS, env=env_options, seed=seed, device="cpu",
                   show_progress=show_progress)
     sft_cfg = SFTConfig(**sft, **common, run_dir=str(run_dir / "sft"))
-    grpo = {**TOOLS_GRPO, "n_grpo_steps": grpo_steps or TOOLS_GRPO["n_grpo_steps"]}
+    grpo = {**TOOLS_GRPO, "n_grpo_steps": grpo_steps or TOOLS_GRPO["n_grpo_steps"], "health_window": NO_SIGNAL_STEPS,
+            "stop_on_unhealthy": ["zero_variance"]}
     grpo_cfg = GRPOConfig(**grpo, **common, task_train_size=len(train), run_dir=str(run_dir / "grpo"))
     sampling = SamplingParams(temperature=1.0, max_tokens=grpo["sampling_max_tokens"], min_tokens=1, stop=["</answer>"])
 
     log(f"[1/4] SFT on {TOOLS_TASK_OPTIONS['wrong_fraction']:.0%}-imperfect tool-using demonstrations "
-        f"({sft_cfg.n_sft_steps} steps)")
+        f"(until validation tool-use success reaches {SFT_TARGET:.0%}, checked every {SFT_CHECK_EVERY} steps; "
+        f"at most {sft_cfg.n_sft_steps} steps)")
     t = time.perf_counter()
     sft_result = train_sft(sft_cfg, model=model, tokenizer=tokenizer, overwrite=True,
                            pairs=demonstration_pairs(env, train, TOOLS_RAG_EXAMPLES))
     timings["sft_s"] = time.perf_counter() - t
-    nll = [r["train/token_nll"] for r in read_metrics(sft_result.metrics_path) if "train/token_nll" in r][-1]
+    sft_records = read_metrics(sft_result.metrics_path)
+    nll = [r["train/token_nll"] for r in sft_records if "train/token_nll" in r][-1]
+    sft_steps_run = max(r["train_step"] for r in sft_records if "train_step" in r) + 1
     sft_final = sft_result.final_dir
     with RewardScorer(task.reward_fn, timeout_s=10.0) as scorer:
         log(f"[2/4] evaluating the SFT model on {len(test)} held-out questions (no retrieval / RAG prompt / tool use)")
@@ -146,24 +158,34 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
         timings["eval_before_s"] = time.perf_counter() - t
         log(f"[3/4] GRPO with the live search tool ({grpo_cfg.n_grpo_steps} steps of "
             f"{grpo_cfg.rollout_batch_size // grpo_cfg.group_size} x {grpo_cfg.group_size} rollouts)")
-        t = time.perf_counter()
-        result = train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
+        t, stopped = time.perf_counter(), None
+        try:
+            train_grpo(grpo_cfg, model=model, tokenizer=tokenizer, overwrite=True)
+        except UnhealthyRunError:  # zero advantages left the weights as they were: the SFT figures stand
+            stopped = no_signal_line("questions with the tool", before["tools"]["accuracy"],
+                                     f"--sft-steps {2 * TOOLS_SFT['n_sft_steps']}")
+            log(stopped)
         timings["grpo_s"] = time.perf_counter() - t
+        metrics_path = Path(grpo_cfg.run_dir) / "metrics.jsonl"
         history = [{"step": r["grpo_step"], "reward": r["train/reward"], "call_rate": r["tools/call_rate"],
                     "model_tokens": r["tools/model_tokens"], "observation_tokens": r["tools/observation_tokens"]}
-                   for r in read_metrics(result.metrics_path) if "train/reward" in r]
-        log("[4/4] evaluating the GRPO model on the same questions")
+                   for r in read_metrics(metrics_path) if "train/reward" in r]
         t = time.perf_counter()
-        after = evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed + 12345)
+        if stopped is None:
+            log("[4/4] evaluating the GRPO model on the same questions")
+            after = evaluate_modes(model, tokenizer, env, test, scorer, sampling, seed + 12345)
+        else:
+            after = before
         timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
     summary = {"task": "retrieval", "task_options": TOOLS_TASK_OPTIONS, "env": TOOLS_ENV, "sft": sft, "grpo": grpo,
                "seed": seed, "size": size, "test_examples": len(test), "sft_final_nll": nll, "before": before,
-               "after": after, "grpo_history": history,
+               "after": after, "grpo_history": history, "grpo_stopped": stopped,
+               "sft_steps_run": sft_steps_run,
                "tool_accuracy_gain_points": round(100 * (after["tools"]["accuracy"] - before["tools"]["accuracy"]), 1),
                "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
-               "paths": {"corpus": str(corpus), "sft_final": str(sft_final), "grpo_metrics": str(result.metrics_path),
-                         "final": str(save_final(model, tokenizer, run_dir / "final"))}}
+               "paths": {"corpus": str(corpus), "sft_final": str(sft_final),
+                         "grpo_metrics": str(metrics_path), "final": str(save_final(model, tokenizer, run_dir / "final"))}}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     log("\n" + _table(before, after))
     log(f"\ntool-use accuracy gain: {summary['tool_accuracy_gain_points']:+.1f} points   wall time: "

@@ -1,13 +1,16 @@
 """Run by tests/test_algorithms_distributed.py under ``torchrun --nproc_per_node 2``: one GRPO
 optimizer batch's gradient on 2 ranks (each holding its contiguous share of the groups) against the
 single-process gradient of the whole batch, for every length normalisation and loss type, under DDP
-and FSDP2. Prints one JSON line per case on rank 0: {"case", "max_abs_diff", "scale"}."""
+and FSDP2. Prints one JSON line per case on rank 0: {"case", "max_abs_diff", "scale"}.
+``trainer_gradients`` does the same for SFT, expert iteration and DPO under DDP, FSDP2 and ZeRO-3
+(run by the scale tier's tests/scale/trainers_under_torchrun.py)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import torch
 
@@ -115,6 +118,64 @@ def check_advantages(dist) -> None:
         if dist.is_main:
             print(json.dumps({"case": f"advantages/{case}", "max_abs_diff": float((got - ref).abs().max()),
                               "scale": float(ref.abs().max())}), flush=True)
+
+
+def trainer_gradients(dist, strategies=("ddp", "fsdp2", "deepspeed")) -> None:
+    """SFT's and expert iteration's gradient (``accumulate_sft_gradient``: conversation-style loss
+    masks on half of the rows for SFT, the exact sampled ids for EI) and DPO's (``dpo_gradient``),
+    each rank on its equal share of one optimizer batch against one process on the whole batch,
+    under DDP, FSDP2 and ZeRO-3 (configs/deepspeed_zero3.json). The ZeRO-3 gradient is read as the
+    change of the full weights after one plain-SGD step (lr 1, no clipping) through the engine's
+    own ``step``: its gradients live in partitions until then. Prints rows like ``main``'s."""
+    from grpolab.algorithms.dpo import DPOConfig, dpo_gradient
+    from grpolab.algorithms.sft import accumulate_sft_gradient
+    from grpolab.data import PreferencePair
+
+    base, tokenizer = load_model_and_tokenizer("embedded:tiny", seed=0)
+    everything, _ = rollouts(seed=2)
+    g = torch.Generator().manual_seed(3)
+    masks = [None if i % 2 else (torch.rand(len(r.response_ids), generator=g) > 0.3).tolist() for i, r in enumerate(everything)]
+    seqs = {"sft": [(r.prompt_ids, r.response_ids, m) for r, m in zip(everything, masks)],
+            "ei": [(r.prompt_ids, r.response_ids) for r in everything]}
+    pairs = [PreferencePair(f"{i} + {i % 5} = ", f"{i + i % 5}", f"{i * 3 % 11}") for i in range(N)]
+    dpo_cfg = DPOConfig(train_batch_size=N, gradient_accumulation_steps=2, beta=0.5, device="cpu", show_progress=False)
+    no_autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+
+    def step(model, case, rows):
+        if case == "dpo":
+            ref = copy.deepcopy(base).eval().requires_grad_(False)
+            dpo_gradient(model, ref, tokenizer, [pairs[i] for i in rows], dpo_cfg, "cpu")
+        else:
+            accumulate_sft_gradient(model, [seqs[case][i] for i in rows], 2, 3.0, 0, "cpu", no_autocast)
+
+    mine = distributed.shard(list(range(N)))
+    for case in ("sft", "ei", "dpo"):
+        distributed._CURRENT = distributed.Dist()
+        reference = copy.deepcopy(base)
+        step(reference, case, list(range(N)))
+        ref = {k: p.grad.detach().clone() for k, p in reference.named_parameters()}
+        for strategy in strategies:
+            ds = {**json.loads((Path(__file__).resolve().parents[1] / "configs" / "deepspeed_zero3.json").read_text()), "zero_allow_untested_optimizer": True} \
+                if strategy == "deepspeed" else {}  # plain SGD is "untested" by ZeRO, and exact for this
+            distributed._CURRENT = dataclasses.replace(dist, strategy=strategy, deepspeed_config=ds, engine=None)
+            model = distributed.wrap(copy.deepcopy(base), torch.device("cpu"))
+            if strategy == "deepspeed":
+                model = distributed.wrap_optimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), None)
+                before = {k: v.clone() for k, v in distributed.full_state_dict(model).items()}
+            step(model, case, mine)
+            if strategy == "deepspeed":
+                distributed.deepspeed_step(0.0)
+                after = distributed.full_state_dict(model)
+                got = {k: before[k] - after[k] for k in ref}
+            else:
+                distributed.sync_gradients()
+                got = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                       for k, p in model.named_parameters()}
+            diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+            scale = max(float(ref[k].abs().max()) for k in ref)
+            if dist.is_main:
+                print(json.dumps({"case": f"{case}/{strategy}", "max_abs_diff": diff, "scale": scale}), flush=True)
+    distributed._CURRENT = dist
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+    # DeepSpeed JIT-compiles its CPU shared-memory op into TORCH_EXTENSIONS_DIR: one per venv, else
+    # .venv and .venv-vllm (other torch builds) recompile it over each other's, minutes each time
+    return {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ, "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -148,7 +151,9 @@ def test_bad_combinations_are_one_line_config_errors():
                           ({"fsdp_cpu_offload": True}, "fsdp2"),
                           ({"lora_r": 4, "distributed": "deepspeed"}, "ddp or fsdp2"),
                           ({"lora_r": 4, "lora_dropout": 0.1}, "disable_dropout"),
-                          ({"lora_save_merged": True}, "lora_r")]:
+                          ({"lora_save_merged": True}, "lora_r"),
+                          ({"rollout_backend": "vllm", "distributed": "ddp", "vllm_tensor_parallel_size": 2},
+                           "each rank runs its own engine")]:
         with pytest.raises(ConfigError, match=words) as err:
             GRPOConfig.build(None, {**base, **fields})
         assert "\n" not in str(err.value)
@@ -159,3 +164,15 @@ def test_distributed_none_under_torchrun_is_refused(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "distributed: none, but torchrun started 2 processes" in out.stderr
+
+
+def test_ppo_under_an_engine_is_refused_with_its_reason():
+    """PPO's critic is added after the engine wraps the policy: refused in one line that says so."""
+    from grpolab.algorithms.distributed import Dist
+    from grpolab.algorithms.ppo import PPOConfig
+    from grpolab.algorithms.run_model import check_distributed
+
+    for strategy in ("ddp", "fsdp2", "deepspeed"):
+        with pytest.raises(ConfigError, match="value head is trained outside the engine's wrapping") as err:
+            check_distributed(PPOConfig(distributed=strategy, device="cpu"), Dist(strategy, world_size=2))
+        assert "\n" not in str(err.value) and "for now" not in str(err.value)

@@ -85,6 +85,17 @@ def test_stop_on_unhealthy_raises_with_the_diagnosis():
         monitor.update(figures(format_failure_rate=1.0))
 
 
+def test_stop_on_named_problems_stops_only_on_those():
+    """A list stops on the problems it names and only reports the others (the demos stop on
+    ``zero_variance``: no group with a right answer, nothing to learn from)."""
+    monitor = HealthMonitor(window=1, stop_on_unhealthy=("zero_variance",))
+    out = monitor.update(figures(format_failure_rate=1.0, truncation_rate=1.0))
+    assert len(out) == 2  # reported, the run goes on
+    with pytest.raises(UnhealthyRunError, match="No learning signal") as stopped:
+        monitor.update(figures(zero_variance_group_fraction=1.0, reward_mean=0.0, reward_errors=1))
+    assert "failed on 1 responses" not in str(stopped.value)  # only the named problem's diagnosis stops it
+
+
 def test_state_round_trip_keeps_streaks_so_a_resumed_monitor_fires_at_the_same_step():
     bad = figures(zero_variance_group_fraction=1.0)
     steps = [bad] * 6 + [figures(reward_errors=1)] * 2

@@ -174,3 +174,28 @@ def test_sft_resume_matches_uninterrupted(sft_config, tmp_path):
     steps = [r["train_step"] for r in read_metrics(resumed.metrics_path) if "train_step" in r]
     assert steps == list(range(6))
 
+
+
+def test_sft_length_chosen_by_validation_stops_at_the_first_validation_that_reaches_the_threshold(sft_config, tmp_path):
+    """``stop_at_eval_accuracy``: the run stops at the first periodic validation whose accuracy
+    reaches the threshold, with exactly the weights the uncapped run had at that step."""
+    from safetensors.torch import load_file
+
+    common = dict(n_sft_steps=8, eval_every=2, eval_examples=16, reward="tests.reward_fixtures:starts_with_7",
+                  sampling_max_tokens=4, learning_rate=1e-2)
+    full = train_sft(sft_config(**common, checkpoint_every=2, keep_last=4, run_dir=str(tmp_path / "full")))
+    curve = {r["sft_step"]: r["eval/accuracy"] for r in read_metrics(full.metrics_path) if "eval/accuracy" in r}
+    # the threshold: the best accuracy after the start, which the start does not reach
+    threshold = max(a for s, a in curve.items() if s > 0)
+    assert curve[0] < threshold, curve
+    first = min(s for s, a in curve.items() if a >= threshold)
+    capped = train_sft(sft_config(**common, stop_at_eval_accuracy=threshold, run_dir=str(tmp_path / "capped")))
+    records = read_metrics(capped.metrics_path)
+    assert [r["sft/stopped_at_step"] for r in records if "sft/stopped_at_step" in r] == [first]
+    assert max(r["train_step"] for r in records if "train_step" in r) == first - 1  # no step after the stop
+    assert capped.after["accuracy"] == pytest.approx(curve[first])
+    expected = load_file(full.run_dir / "checkpoints" / f"step_{first}" / "model.safetensors")
+    got = load_file(capped.final_dir / "model.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    with pytest.raises(ValueError, match="stop_at_eval_accuracy needs eval_every"):
+        sft_config(stop_at_eval_accuracy=0.5)

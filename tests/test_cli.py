@@ -68,6 +68,11 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
         # ... and with a real model and an evaluation that would sample for hours, it comes at once
         "eval_out_file_huge_eval": grpolab("eval", "--model", "embedded:tiny", "--data", "task:arithmetic",
                                            "--n", "100000", "--k", "64", "--max-tokens", "1024", "--out", a_file),
+        # a reasoning-gym name that does not exist (or reasoning-gym missing): one line, nothing made
+        "rg_unknown": grpolab("grpo", "--task", "rg:no_such_generator", "--device", "cpu", "--run-dir", tmp / "rg_run"),
+        # a reward model that is not a model directory: refused by the config, before anything loads
+        "rm_not_a_model": grpolab("grpo", "--reward", f"{{model: {tmp / 'no_rm'}}}", "--device", "cpu",
+                                  "--run-dir", tmp / "rm_run"),
     }
 
 
@@ -125,6 +130,18 @@ def test_k1_kl_estimator_as_a_loss_is_refused_in_one_line(refused):
     results, tmp = refused
     assert_one_line_error(results["k1_kl_loss"], "k1", "zero expected gradient")
     assert not (tmp / "k1_run").exists(), "a refused config created its run directory"
+
+
+def test_an_unknown_reasoning_gym_task_is_refused_in_one_line(refused):
+    results, tmp = refused
+    assert_one_line_error(results["rg_unknown"], "reasoning-gym")  # the available names, or the extra to install
+    assert not (tmp / "rg_run").exists()
+
+
+def test_a_reward_model_that_is_not_a_directory_is_refused_in_one_line(refused):
+    results, tmp = refused
+    assert_one_line_error(results["rm_not_a_model"], "reward.model", "no config.json")
+    assert not (tmp / "rm_run").exists()
 
 
 def test_eval_n_0_is_refused_in_one_line(refused):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.algorithms.metrics import read_metrics
@@ -54,6 +55,26 @@ def test_demo_writes_summary_plot_metrics_and_final_model(tmp_path):
     final = tmp_path / "demo" / "final"
     AutoModelForCausalLM.from_pretrained(final)
     AutoTokenizer.from_pretrained(final)
+
+
+def test_demo_without_a_learning_signal_stops_grpo_and_says_what_to_try(tmp_path, capsys):
+    """A one-step warm start solves nothing: GRPO stops after NO_SIGNAL_STEPS all-zero steps (not
+    its whole budget) with one line naming the cause and what to try; the weights are the SFT
+    model's (zero advantages move nothing), and the summary says so."""
+    from grpolab.demo import NO_SIGNAL_STEPS
+
+    summary = run_demo(tmp_path / "demo", seed=0, sft_steps=1, grpo_steps=3 * NO_SIGNAL_STEPS, test_examples=4,
+                       show_progress=False)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "no learning signal" in line]
+    assert len(lines) == 1 and "--sft-steps" in lines[0] and "--seed" in lines[0]
+    assert summary["grpo_stopped"] == lines[0]
+    steps = [r["grpo_step"] for r in read_metrics(tmp_path / "demo" / "grpo" / "metrics.jsonl") if "train/reward" in r]
+    assert steps == list(range(NO_SIGNAL_STEPS))
+    assert summary["after"] == summary["before"] and summary["accuracy_gain_points"] == 0.0
+    sft = AutoModelForCausalLM.from_pretrained(tmp_path / "demo" / "sft" / "final").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "demo" / "final").state_dict()
+    assert all(torch.equal(sft[k], final[k]) for k in sft)
 
 
 def test_cli_help_lists_commands():

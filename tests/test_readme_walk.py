@@ -54,8 +54,23 @@ REAL_MODEL = ("the real model (SmolLM2-135M-Instruct, `make real-model`): minute
 NOT_RUN = [
     (("make", "demo"), "the full demo, 3-4 minutes (and make installs .venv); tests/test_demo_cli.py runs it shortened"),
     (("make", "test-all"), "the test suites themselves"),
+    (("grpolab", "view"), "reads the demo's run directory (and --serve runs until Ctrl-C); tests/test_viewer.py and "
+                          "tests/browser run it on real runs"),
     (("torchrun", "--nproc_per_node", "8"), "8 GPUs (nccl) and Qwen2.5-Math-1.5B's weights on disk"),
     (("torchrun", "--nnodes", "2"), "two machines and the reader's own my.yaml"),
+    (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo", "--config", "configs/grpo_tiny.yaml", "--distributed",
+      "fsdp2", "--rollout-backend", "vllm"), "vLLM (.venv-vllm): tests/vllm/test_scale_vllm.py runs this set-up"),
+    (("grpolab", "plan", "--config", "configs/scale/"), "prints the plans quoted below it; tests/scale/test_scale_recipes.py "
+                                                     "runs them"),
+    (("grpolab", "plan", "--config", "configs/grpo_tiny.yaml"), "tests/test_memory_plan.py plans the tiny model"),
+    ((".venv/bin/grpolab", "eval", "--model", "runs/rg_arith/"), "needs the rg_arith run above; tests/test_gym_tasks.py "
+                                                                  "evaluates rg tasks"),
+    ((".venv/bin/grpolab", "grpo", "--task", "rg:gsm_symbolic", "--model", "~/.cache/grpolab/"), REAL_MODEL),
+    ((".venv/bin/grpolab", "rm"), "minutes of CPU (the reader's own pairs.jsonl for the second); tests/test_reward_model.py "
+                                  "and tests/test_rm_chain.py run grpolab rm shortened, with --resume"),
+    (("HEAD=",), "the SLURM recipe: a cluster (tests/scale runs a two-node job on one machine)"),
+    (("export", "HEAD"), "the SLURM recipe: a cluster"),
+    (("srun",), "the SLURM recipe: a cluster"),
     (("grpolab", "grpo", "--config", "my.yaml"), "the reader's own my.yaml; its flags are checked by "
                                                  "test_readme_training_flags_exist"),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "grpo", "--config", "configs/real/"), REAL_MODEL),

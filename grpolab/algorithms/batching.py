@@ -160,7 +160,7 @@ def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Te
                         [(r.prompt_ids, r.response_ids, r.prompt_index) for r in rollouts], pad_id)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP2's all-gather buffers made in it could not be written again
 def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float,
                       token_budget: int | None = None) -> torch.Tensor:
     """Log-probs of every row of a rollout batch without gradients (old policy, reference).

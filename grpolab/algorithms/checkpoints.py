@@ -306,7 +306,7 @@ def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
 
 def clear_run_dir(path: Path) -> None:
     """``overwrite``: remove a previous run's files (only the ones a run writes)."""
-    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml"):
+    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml", "tokens.jsonl", "view.html"):
         p = path / name
         if p.is_dir():
             shutil.rmtree(p)

@@ -215,9 +215,11 @@ class RunConfig(BaseConfig):
         if self.lora_dropout and self.disable_dropout:
             raise ValueError(f"lora_dropout ({self.lora_dropout}) has no effect while disable_dropout is true (dropout is "
                              "off in every forward); set disable_dropout: false to use it")
-        if getattr(self, "rollout_backend", "hf") != "hf" and (self.distributed != "none" or self.lora_r):
-            raise ValueError(f"rollout_backend {self.rollout_backend!r} runs with distributed: none and without LoRA "
-                             "for now; use rollout_backend: hf")
+        if getattr(self, "rollout_backend", "hf") == "vllm" and self.distributed != "none" \
+                and self.vllm_tensor_parallel_size > 1:
+            raise ValueError(f"vllm_tensor_parallel_size ({self.vllm_tensor_parallel_size}) with distributed: "
+                             f"{self.distributed}: each rank runs its own engine on its own device (tensor-parallel 1) "
+                             "and samples its share of the prompts; set vllm_tensor_parallel_size: 1")
         if self.lora_save_merged and not self.lora_r:
             raise ValueError("lora_save_merged needs lora_r > 0")
 
@@ -303,8 +305,9 @@ class SampledRunConfig(RunConfig):
 # Fields that may change when a run is resumed: its length and how it is watched. Everything else
 # is the run's own config, and changing it on resume would silently continue a different run.
 RESUME_MAY_CHANGE = (
-    "n_grpo_steps", "n_ppo_steps", "n_sft_steps", "n_dpo_steps", "n_ei_steps", "eval_every", "eval_examples",
+    "n_grpo_steps", "n_ppo_steps", "n_sft_steps", "n_dpo_steps", "n_ei_steps", "n_rm_steps", "eval_every", "eval_examples",
     "checkpoint_every", "keep_last", "report_to", "show_progress", "log_generations_samples", "run_dir", "device",
+    "token_record_groups",
 )
 
 
@@ -359,6 +362,8 @@ class PolicyUpdateConfig(SampledRunConfig):
     # measured; if it exceeds kl_stop, that step is not applied and the rollout batch's remaining
     # updates are skipped (as Stable-Baselines3 and OpenAI's PPO do).
     kl_stop: float | None = Field(0.3, gt=0)
+    # per-token records of this many sampled groups per step in tokens.jsonl, for grpolab view (0: none)
+    token_record_groups: int = Field(2, ge=0)
 
     @model_validator(mode="before")
     @classmethod

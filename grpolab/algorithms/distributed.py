@@ -190,8 +190,9 @@ def broadcast_object(obj):
 
 
 def mean_metrics(record: dict, weight: float = 1.0) -> dict:
-    """Numbers averaged over ranks (weighted by ``weight``, e.g. each rank's example count); other
-    values from rank 0. Step keys are equal on every rank, so they pass through unchanged."""
+    """Numbers averaged over ranks (weighted by ``weight``, e.g. each rank's example count), those
+    named ``*_max`` the largest; other values from rank 0. Step keys are equal on every rank, so
+    they pass through unchanged."""
     if not current().enabled or current().world_size == 1:
         return record
     gathered = all_gather_objects((record, float(weight)))
@@ -200,7 +201,7 @@ def mean_metrics(record: dict, weight: float = 1.0) -> dict:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not key.endswith("_step") and key != "epoch":
             pairs = [(r[key], w) for r, w in gathered if isinstance(r.get(key), (int, float))]
             total = sum(w for _, w in pairs) or 1.0
-            out[key] = sum(v * w for v, w in pairs) / total
+            out[key] = max(v for v, _ in pairs) if key.endswith("_max") else sum(v * w for v, w in pairs) / total
     return out
 
 
@@ -282,8 +283,10 @@ def padding_micro_batches(n_local: int) -> int:
     d = current()
     if not d.sharded or d.world_size == 1:
         return 0
-    # DeepSpeed's step needs a backward on every rank, even when no row of the batch contributes
-    return max(int(all_reduce(n_local, "max")), 1 if d.strategy == "deepspeed" else 0) - n_local
+    # the step needs a backward on every rank even when no row of the batch contributes: DeepSpeed's
+    # engine.step() does, and FSDP2 leaves the root's parameters unsharded (plain tensors) after a
+    # no-grad forward (old log-probs) until a backward reshards them
+    return max(int(all_reduce(n_local, "max")), 1) - n_local
 
 
 def sync_gradients() -> None:
@@ -314,6 +317,29 @@ def full_state_dict(model) -> dict:
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
     module = getattr(model, "module", model)
     return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def full_weights(model):
+    """``full_state_dict`` as a stream of (name, whole tensor), one tensor gathered at a time (a
+    collective under FSDP2 and ZeRO-3: every rank iterates to the end in the same order): what a
+    weight sync sends to a rollout engine without holding more than one parameter beyond the shard.
+    FSDP2: ``DTensor.full_tensor()`` per entry; ZeRO-3: ``GatheredParameters`` per parameter (a
+    copy leaves the context, since the gathered storage is released at its exit); else the
+    module's own tensors (nothing copied)."""
+    d = current()
+    module = getattr(model, "module", model) if d.strategy == "deepspeed" else model
+    zero3 = d.strategy == "deepspeed" and deepspeed_stage() == 3
+    if zero3:
+        import deepspeed
+    from torch.distributed.tensor import DTensor
+
+    for name, value in module.state_dict(keep_vars=True).items():
+        if zero3 and hasattr(value, "ds_id"):
+            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                value = value.detach().clone()
+        elif isinstance(value, DTensor):
+            value = value.detach().full_tensor()
+        yield name, value.detach()
 
 
 def save_sharded_optimizer(model, optimizer, directory: Path) -> None:

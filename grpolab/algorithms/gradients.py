@@ -23,15 +23,15 @@ from .batching import RolloutBatch, plan_microbatches, take_rows
 
 def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
                          temperature: float):
-    """(micro-batch tensors, log-probs, entropy, trainer log-probs in label layout) of rows ``live``.
-    With ``shared``, each distinct prompt is run once for all its responses (``models.shared_prefix``)."""
+    """(micro-batch tensors, log-probs, entropy, a function taking a micro-batch per-token tensor to the
+    rollout batch's label layout (on the CPU)) of rows ``live``. With ``shared``, each distinct prompt
+    is run once for all its responses (``models.shared_prefix``)."""
     if not shared:
         mb = take_rows(tensors, live, device)
         with autocast():
             out = get_response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
                                          temperature=temperature)
-        lp = out["log_probs"].float()
-        return mb, lp, out["token_entropy"], lp.detach().cpu()
+        return mb, out["log_probs"].float(), out["token_entropy"], lambda values: values.detach().cpu()
     with autocast():
         out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
                                  return_token_entropy=True)
@@ -43,15 +43,19 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
     for key in ("old_log_probs", "ref_log_probs", "is_weights"):
         if key in tensors:
             mb[key] = label_to_response_layout(tensors[key][index], p_lens, r_lens).to(device)
-    lp = out["log_probs"].float()
-    return mb, lp, out["token_entropy"], response_to_label_layout(lp, p_lens, r_lens, tensors["labels"].shape[1])
+    width = tensors["labels"].shape[1]
+    return mb, out["log_probs"].float(), out["token_entropy"], \
+        lambda values: response_to_label_layout(values, p_lens, r_lens, width)
 
 
 def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg, contributes: torch.Tensor,
-                               kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None) -> dict[str, float]:
+                               kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None,
+                               token_stats: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Forward/backward one optimizer batch (``rows``) in micro-batches, leaving its gradient in
     ``.grad``; returns summed figures for logging and, when given ``trainer_lp``, fills in the
-    trainer's log-probs of the trained rows (for the sampler/trainer mismatch check).
+    trainer's log-probs of the trained rows (for the sampler/trainer mismatch check). ``token_stats``
+    (label-layout tensors ``entropy``, ``ratio``, ``clipped``, e.g. from ``token_records.empty_stats``)
+    gets each trained token's figures from the last pass that trained it (the viewer's per-token records).
 
     Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
     losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
@@ -71,11 +75,14 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
     live_plans = [live for live in ([rows[i] for i in plan if contributes[rows[i]]] for plan in plans) if live]
     padding = distributed.padding_micro_batches(len(live_plans))
     for live in live_plans:
-        mb, log_probs, entropy, label_lp = microbatch_log_probs(model, tensors, batch, live, shared, device, autocast,
-                                                                cfg.policy_temperature)
+        mb, log_probs, entropy, to_label_layout = microbatch_log_probs(model, tensors, batch, live, shared, device,
+                                                                       autocast, cfg.policy_temperature)
+        label_lp = to_label_layout(log_probs)
         if trainer_lp is not None:
             trainer_lp[live, : label_lp.shape[1]] = label_lp
         old = mb.get("old_log_probs", log_probs.detach())
+        stats_meta = {} if token_stats is None else {"entropy": entropy.detach().float(),
+                                                      "ratio": torch.exp(log_probs.detach() - old)}
         # the global sizes set the loss scale, so the micro-batch count given here is not used
         loss, meta = grpo_microbatch_train_step(
             log_probs, mb["response_mask"], len(plans), cfg.loss_type,
@@ -96,6 +103,10 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
         sums["approx_kl"] += (kl_k3(old, log_probs.detach()) * mask).sum()
         if "clip_fraction" in meta:
             sums["clip"] += meta["clip_fraction"] * n_tok
+        if token_stats is not None:
+            stats_meta["clipped"] = meta.get("clipped", torch.zeros_like(mask)).float()
+            for key, values in stats_meta.items():
+                token_stats[key][live, : label_lp.shape[1]] = to_label_layout(values)
         if "kl" in meta:
             sums["kl"] += meta["kl"] * n_tok
     for _ in range(padding):

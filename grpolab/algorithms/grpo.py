@@ -47,13 +47,14 @@ from .config import EnvOptions, PolicyUpdateConfig
 from . import distributed
 from .distributed import mean_metrics
 from .gradients import accumulate_policy_gradient
-from .health import HealthMonitor, rollout_health
+from .health import PROBLEMS, HealthMonitor, rollout_health
 from .inputs import load_inputs
 from .metrics import plot_grpo_run
 from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
 from .run import ListState, Run, TrainResult, frozen_copy, validation
 from .sampling import sample_groups
+from .token_records import TokenRecorder, empty_stats, grpo_per_token
 
 
 class GRPOConfig(PolicyUpdateConfig):
@@ -109,7 +110,8 @@ class GRPOConfig(PolicyUpdateConfig):
     run_dir: str = "runs/grpo"
     health_window: int = Field(5, ge=1)
     truncation_threshold: float = Field(0.5, ge=0, le=1)
-    stop_on_unhealthy: bool = False
+    # true: a health problem stops the run (UnhealthyRunError); a list (health.PROBLEMS): only those
+    stop_on_unhealthy: bool | list[Literal[PROBLEMS]] = False
 
     @field_validator("loss_type", "advantage_estimator", "length_normalization", "kl_estimator")
     @classmethod
@@ -220,9 +222,10 @@ class Update:
 
 
 def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, scheduler, kl_ctl, has_reference: bool,
-                  step: int) -> Update:
+                  step: int, token_stats: dict | None = None) -> Update:
     """``epochs_per_rollout_batch`` passes over the rollout batch in optimizer batches (reshuffled
-    each epoch when off-policy), with the KL early stop measured before each optimizer step."""
+    each epoch when off-policy), with the KL early stop measured before each optimizer step;
+    ``token_stats`` (``token_records.empty_stats``) gets the trained tokens' entropy, ratio and clip."""
     n = len(batch.sequences)
     trainer_lp = batch.old_log_probs.clone() if cfg.off_policy else torch.zeros(batch.labels.shape)
     trained = torch.full((n,), cfg.off_policy, dtype=torch.bool)
@@ -237,7 +240,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
         for rows in optimizer_batches(n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]):
             record_lp = trainer_lp if epoch == 0 and not cfg.off_policy else None
             sums = accumulate_policy_gradient(run.model, batch, rows, cfg, contributes, kl_ctl.value, run.device,
-                                              run.autocast, record_lp)
+                                              run.autocast, record_lp, token_stats)
             if record_lp is not None:
                 trained[rows] = contributes[rows]
             tok = max(sums["tokens"], 1.0)
@@ -265,13 +268,13 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     return Update(records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None)
 
 
-def sync_policy(backend, model, update: Update) -> float:
+def sync_policy(backend, run: Run, update: Update) -> float:
     """Seconds spent giving the backend the updated weights (0 when no optimizer step was applied:
     the KL early stop fired first, or every step was skipped as non-finite)."""
     if not update.applied_steps:
         return 0.0
     t0 = time.perf_counter()
-    backend.sync_weights(model)
+    run.weights.sync(backend)  # vLLM: streamed one gathered parameter at a time
     return time.perf_counter() - t0
 
 
@@ -325,7 +328,10 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
              check_inputs=check_sampled_inputs(inputs, cfg)) as run:
         model, tokenizer = run.model, run.tokenizer
-        scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
+        scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers,
+                              device=run.device)
+        if scorer.model_reward is not None:  # reward models' running normalisation, for an exact resume
+            run.track("reward_normalization", scorer)
         ref_model = run.track("reference_model", frozen_copy(model)) if cfg.kl_coef > 0 else None
         total_opt_steps = cfg.n_grpo_steps * cfg.rollout_batch_size // cfg.train_batch_size * cfg.epochs_per_rollout_batch
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
@@ -334,7 +340,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         kl_ctl = run.track("kl_controller", cfg.kl_controller())
         sampler = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         health = run.track("health", HealthMonitor(cfg.health_window, cfg.truncation_threshold,
-                                                   stop_on_unhealthy=cfg.stop_on_unhealthy))
+                                                   stop_on_unhealthy=cfg.stop_on_unhealthy if isinstance(cfg.stop_on_unhealthy, bool)
+                                                   else tuple(cfg.stop_on_unhealthy)))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         samples = run.track("samples_drawn", ListState([0]))
         backend = make_backend(cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
@@ -343,6 +350,8 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         if cfg.env is not None:  # multi-turn: the environment runs the tools around the same backend
             backend = EnvBackend(backend, run.env)
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
+        recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
+                                 resume_step=run.step if run.resuming else None)
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
 
@@ -360,20 +369,28 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             t1 = time.perf_counter()
             is_stats = old_and_reference_log_probs(run, batch, cfg, ref_model)
             # 4. the policy update: epochs of optimizer batches of micro-batches
-            update = policy_update(run, batch, cfg, optimizer, scheduler, kl_ctl, ref_model is not None, step)
+            stats = empty_stats(batch.labels.shape) if recorder.groups else None  # per-token figures for the viewer
+            update = policy_update(run, batch, cfg, optimizer, scheduler, kl_ctl, ref_model is not None, step, stats)
             if update.mean_kl is not None:
                 kl_ctl.update(update.mean_kl, cfg.rollout_batch_size)
             # 5. a backend with its own copy of the weights (vLLM) gets the new ones, in place
-            sync_s = sync_policy(backend, run.sampling_model, update)
+            sync_s = sync_policy(backend, run, update)
             # 6. metrics and health
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
+            t2 = time.perf_counter()
+            recorder.record(step, groups.rollouts, groups.scores, cfg.group_size, tokenizer,
+                            grpo_per_token(batch, update, stats) if stats else {}, batch.advantages, groups.examples)
+            m["time/token_records_s"] = time.perf_counter() - t2
             if cfg.env is not None:  # tool calls, errors, turns, observation vs model tokens
                 m.update(tool_metrics(groups.rollouts))
             m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
                       "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": rollout_s,
-                      "time/train_s": time.perf_counter() - t1 - sync_s, "time/weight_sync_s": sync_s,
+                      "time/train_s": time.perf_counter() - t1 - sync_s - m["time/token_records_s"],
+                      "time/weight_sync_s": sync_s,
                       "time/tokens_per_s": sum(
                           len(r.response_ids) for r in groups.rollouts) / max(time.perf_counter() - t0, 1e-9)})
+            if sync_s and run.weights.engine_holds_weights:  # the most bytes beyond the shard a sync held at once
+                m["memory/weight_sync_gathered_mb_max"] = run.weights.gathered_peak_bytes / 2**20
             samples.items[0] += groups.samples_drawn
             m["train/samples_drawn"] = samples.items[0]
             m = mean_metrics(m)  # every rank sees (and the health check judges) the whole batch's figures

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+PROBLEMS = ("zero_variance", "truncation", "format", "reward_errors", "tool_errors", "logprob_mismatch")
+
+
 class UnhealthyRunError(RuntimeError):
     pass
 
@@ -26,7 +29,7 @@ class HealthMonitor:
     truncation_threshold: float = 0.5
     logprob_mismatch_threshold: float = 0.05
     tool_error_threshold: float = 0.5
-    stop_on_unhealthy: bool = False
+    stop_on_unhealthy: bool | tuple[str, ...] = False  # True: any problem stops the run; names: only those
     _streaks: dict[str, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
 
@@ -75,13 +78,15 @@ class HealthMonitor:
                 f"Sampler and trainer disagree on the sampled tokens' log-probs (mean |diff| "
                 f"{m['logprob_mismatch']:.3f} nats): the importance ratios are off. Use the same dtype for rollout "
                 "and training, and make sure the sampled token ids are what is trained on.")))
-        messages = []
+        messages, stopping = [], []
         for name, text in found:
             if name not in self.reported:
                 self.reported.add(name)
                 messages.append(text)
-        if messages and self.stop_on_unhealthy:
-            raise UnhealthyRunError(" ".join(messages))
+                if self.stop_on_unhealthy is True or (self.stop_on_unhealthy and name in self.stop_on_unhealthy):
+                    stopping.append(text)
+        if stopping:
+            raise UnhealthyRunError(" ".join(stopping))
         return messages
 
     def state_dict(self) -> dict:
@@ -111,4 +116,5 @@ def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: l
     }
     if mismatch.numel():  # nothing measured (no row trained, no old log-probs) is no figure, not a perfect 0.0
         out["logprob_mismatch"] = float(mismatch.mean())
+        out["logprob_mismatch_max"] = float(mismatch.max())  # the worst token (max over ranks too)
     return out

@@ -26,7 +26,7 @@ from ..data import (
 )
 from ..models import EMBEDDED_PREFIX, load_tokenizer
 from ..envs import retrieval_template
-from ..rewards import build_reward, lenient_reward, reward_reads_tags
+from ..rewards import build_reward, has_reward_model, lenient_reward, reward_reads_tags
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Inputs:
     evals: list
     template: Any
     reward: Any
+    eval_reward: Any = None  # validation's reward when it differs: the task's verifier beside a reward model
 
 
 def data_options(cfg) -> dict:
@@ -95,17 +96,26 @@ def template_and_reward(task, prompt_template: str | None, reward: Any, retrieva
     ``</think>`` and ``<answer>``: a chat model's line breaks are not a format failure)."""
     template = prompt_template_for(task, prompt_template, retrieval, tokenizer=tokenizer, system_prompt=system_prompt,
                                    reward=reward)
-    if reward is not None:
-        return template, build_reward(reward)
+    return template, build_reward(reward) if reward is not None else task_reward(task, template)
+
+
+def task_reward(task, template) -> Any:
+    """The embedded task's own reward, else r1_zero; in its lenient form under ``chat_r1``; a
+    reasoning-gym task's whole-response form under a template that asks for no ``<answer>`` tags."""
     fn = task.reward_fn if task is not None else build_reward("r1_zero")
-    return template, lenient_reward(fn) if getattr(template, "lenient_format", False) else fn
+    text = getattr(template, "text", "<answer>")
+    if hasattr(task, "whole_response_reward_fn") and "<answer>" not in text and "<think>" not in text:
+        return task.whole_response_reward_fn
+    return lenient_reward(fn) if getattr(template, "lenient_format", False) else fn
 
 
 def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
                  reward: Any = None, task_options: dict | None = None, retrieval: dict | None = None,
                  tokenizer=None, system_prompt: str | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
-    """``task:NAME`` (an embedded task's ``split``) or a data file -> (examples[:n], template, reward)."""
-    task = get_task(source[5:], seed=seed, **(task_options or {})) if source.startswith("task:") else None
+    """``task:NAME`` (an embedded task's ``split``), ``rg:NAME`` (a reasoning-gym generator's) or a data
+    file -> (examples[:n], template, reward)."""
+    name = source[5:] if source.startswith("task:") else source if source.startswith("rg:") else None
+    task = get_task(name, seed=seed, **(task_options or {})) if name is not None else None
     examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
     return (examples, *template_and_reward(task, prompt_template, reward, retrieval, tokenizer=tokenizer,
                                            system_prompt=system_prompt))
@@ -124,7 +134,9 @@ def load_inputs(cfg, tokenizer=None) -> Inputs:
         raise DataError(f"{cfg.train_data or cfg.task}: no training examples")
     template, reward = template_and_reward(task, cfg.prompt_template, cfg.reward, cfg.retrieval,
                                            **prompt_options(cfg, tokenizer))
-    return Inputs(list(train), list(evals)[: cfg.eval_examples], template, reward)
+    # held-out accuracy is the task verifier's, not a reward model's (which may be hacked)
+    eval_reward = task_reward(task, template) if task is not None and has_reward_model(reward) else None
+    return Inputs(list(train), list(evals)[: cfg.eval_examples], template, reward, eval_reward)
 
 
 def prompt_options(cfg, tokenizer=None) -> dict:

@@ -40,6 +40,7 @@ from .config import PolicyUpdateConfig
 from .inputs import load_inputs
 from .optimization import effective_warmup, make_optimizer, make_scheduler
 from .resources import check_sampled_inputs
+from .token_records import TokenRecorder, empty_stats, sampler_log_probs
 from .run import Run, TrainResult, frozen_copy, validation
 
 
@@ -87,15 +88,20 @@ class PolicyWithValue(torch.nn.Module):
         return out["log_probs"], out.get("token_entropy"), self.value_head(out["last_hidden_state"])
 
 
-def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_tokens) -> dict[str, torch.Tensor]:
+def ppo_minibatch_step(policy, mb: dict, cfg: PPOConfig, n_micro: int, global_tokens, rows: list[int] | None = None,
+                       token_stats: dict | None = None) -> dict[str, torch.Tensor]:
     """Clipped policy loss + vf_coef x clipped value loss on one micro-batch, token-mean over the
-    minibatch's response tokens; backward once. Returns summed figures for logging."""
+    minibatch's response tokens; backward once. Returns summed figures for logging; ``token_stats``
+    (``token_records.empty_stats``) gets the entropy, ratio and clip flag of each token of ``rows``."""
     log_probs, entropy, values = policy(mb["input_ids"], mb["labels"], return_entropy=True)
     mask = mb["response_mask"]
     pg, pg_meta = compute_grpo_clip_loss(mb["advantages"], log_probs, mb["old_log_probs"], cfg.cliprange)
     vf, vf_meta = compute_value_loss(values, mb["old_values"], mb["returns"], cfg.cliprange_value)
     loss = aggregate_token_loss(pg + cfg.vf_coef * vf, mask, n_micro, "token_mean", global_num_tokens=global_tokens)
     loss.backward()
+    if token_stats is not None:
+        for key, values in (("entropy", entropy), ("ratio", pg_meta["ratio"]), ("clipped", pg_meta["clipped"])):
+            token_stats[key][rows, : values.shape[1]] = values.detach().float().cpu()
     return {
         "loss": loss.detach(), "tokens": mask.sum(), "pg_loss": (pg.detach() * mask).sum(),
         "value_loss": (vf.detach() * mask).sum(), "clip": (pg_meta["clipped"].float() * mask).sum(),
@@ -129,7 +135,8 @@ def score_tokens(policy, ref, batch: dict, score: torch.Tensor, kl_coef: float, 
     return kl
 
 
-def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, scheduler, step: int) -> tuple[dict, bool]:
+def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, scheduler, step: int,
+               token_stats: dict | None = None) -> tuple[dict, bool]:
     """``ppo_epochs`` passes over shuffled minibatches; the approx KL(old || current) of each
     minibatch is measured before its optimizer step, which is not applied once it exceeds kl_stop."""
     mask = batch["response_mask"]
@@ -144,9 +151,11 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
             global_tokens = mask[rows].sum().clamp(min=1)
             mb_sums: dict[str, torch.Tensor] = {}
             for plan in plan_microbatches([1] * len(rows), cfg.gradient_accumulation_steps):
-                mb = take_rows(batch, [rows[i] for i in plan], run.device)
+                mb_rows = [rows[i] for i in plan]
+                mb = take_rows(batch, mb_rows, run.device)
                 with run.autocast():
-                    for k, v in ppo_minibatch_step(policy, mb, cfg, cfg.gradient_accumulation_steps, global_tokens).items():
+                    for k, v in ppo_minibatch_step(policy, mb, cfg, cfg.gradient_accumulation_steps, global_tokens,
+                                                   mb_rows, token_stats).items():
                         mb_sums[k] = mb_sums.get(k, 0.0) + v
             f = {k: float(v) for k, v in mb_sums.items()}
             tok = max(f["tokens"], 1.0)
@@ -174,7 +183,10 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
         policy = PolicyWithValue(model, cfg.policy_temperature).to(run.device)
         run.track("value_head", policy.value_head)
         ref = run.track("reference_model", frozen_copy(model)) if cfg.kl_coef > 0 else None
-        scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers)
+        scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s, num_workers=cfg.reward_workers,
+                              device=run.device)
+        if scorer.model_reward is not None:  # reward models' running normalisation, for an exact resume
+            run.track("reward_normalization", scorer)
         total_updates = cfg.n_ppo_steps * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.train_batch_size)
         optimizer = run.track("optimizer", make_optimizer(policy, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
@@ -185,18 +197,29 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
         backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
         sampling, pad = cfg.sampling_params(), pad_token_id(tokenizer)
+        recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
+                                 resume_step=run.step if run.resuming else None)
         validate = validation(run, backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
         for step in run.steps():
             t0 = time.perf_counter()
             batch_q = [inputs.train[i] for i in questions.next(cfg.rollout_batch_size // cfg.group_size)]
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch_q], cfg.group_size, sampling)
-            scores = scorer.score([r.scored_response for r in rollouts], [batch_q[r.prompt_index].answer for r in rollouts])
+            scores = scorer.score([r.scored_response for r in rollouts], [batch_q[r.prompt_index].answer for r in rollouts],
+                                  prompts=[r.prompt for r in rollouts], questions=[batch_q[r.prompt_index].question for r in rollouts])
             score = torch.tensor([s["reward"] for s in scores])
             rollout_s = time.perf_counter() - t0
             batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad)
             kl = score_tokens(policy, ref, batch, score, kl_ctl.value, cfg, run.device, run.autocast)
-            sums, stopped = ppo_update(run, policy, batch, cfg, optimizer, scheduler, step)
+            stats = empty_stats(batch["labels"].shape) if recorder.groups else None  # per-token figures for the viewer
+            sums, stopped = ppo_update(run, policy, batch, cfg, optimizer, scheduler, step, stats)
+            t2 = time.perf_counter()
+            if stats:
+                recorder.record(step, rollouts, scores, cfg.group_size, tokenizer,
+                                {"sampler_lp": sampler_log_probs(rollouts, batch["labels"].shape),
+                                 "trainer_lp": batch["old_log_probs"], **stats},
+                                batch["advantages"], batch_q)
+            record_s = time.perf_counter() - t2
             seq_kl = float(kl.sum(1).mean())
             kl_ctl.update(seq_kl, cfg.rollout_batch_size)
             mask = batch["response_mask"]
@@ -206,7 +229,9 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
                      "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
                      "train/kl_early_stop": int(stopped), "train/response_length": float(mask.sum(1).float().mean()),
                      "health/nonfinite_steps": run.nonfinite_steps,
-                     "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t0 - rollout_s})
+                     **{f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores) for k in scores[0] if k != "reward"},
+                     "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t0 - rollout_s - record_s,
+                     "time/token_records_s": record_s})
             run.bar.set_postfix(reward=f"{float(score.mean()):.3f}")
             run.end_step(step + 1, validate)
         after = validate(cfg.n_ppo_steps)

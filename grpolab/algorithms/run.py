@@ -101,10 +101,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
 class Run:
     """See the module docstring. The config's ``step_key`` names the trainer's outer step in the
     metrics (``grpo_step``, ``ppo_step``, ...) and ``total_steps`` is its length; ``check_inputs(model,
-    tokenizer, device)`` runs once the model is loaded, before the run directory is touched."""
+    tokenizer, device)`` runs once the model is loaded, before the run directory is touched;
+    ``load_model(path, **options) -> (model, tokenizer)`` replaces the causal-LM loader (``grpolab rm``
+    loads sequence classifiers, from ``cfg.model`` and from its checkpoints alike)."""
 
     def __init__(self, cfg, *, resume: bool = False, overwrite: bool = False, model=None, tokenizer=None,
-                 check_inputs=None):
+                 check_inputs=None, load_model=None):
+        self._load_model = load_model or load_model_and_tokenizer
         self.wall = time.perf_counter()
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
@@ -163,9 +166,9 @@ class Run:
         self.device = distributed.device_for(resolve_device(cfg.device))
         gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
         if self.resumed_from is not None:
-            model, tokenizer = load_model_and_tokenizer(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
+            model, tokenizer = self._load_model(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
         elif model is None:
-            model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
+            model, tokenizer = self._load_model(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
         if cfg.disable_dropout:
             disable_dropout(model)
         if getattr(cfg, "logits_fp32", False):  # before any copy (sampler replica, reference) is made
@@ -353,8 +356,11 @@ class Run:
         """After outer step ``done``: periodic validation, periodic checkpoint, and Ctrl-C."""
         self.step = done
         self.bar.update(1)
-        self.weights.refresh()
-        if validate is not None and self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps:
+        validating = validate is not None and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
+            and done < self.total_steps
+        if validating or not self.weights.engine_holds_weights:  # a vLLM engine got them streamed
+            self.weights.refresh()
+        if validating:
             validate(done)
         saved = None
         if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
@@ -417,7 +423,9 @@ def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], d
         if not inputs.evals or inputs.reward is None:
             return {}
         evals = distributed.shard(inputs.evals)  # each rank evaluates its share; figures weighted by share
-        result = evaluate(backend, evals, inputs.template, inputs.reward, sampling, scorer=scorer)
+        reward = getattr(inputs, "eval_reward", None)  # beside a reward model: the task's verifier judges
+        result = evaluate(backend, evals, inputs.template, reward or inputs.reward, sampling,
+                          scorer=scorer if reward is None else None)
         extra = {}
         if cfg.log_generations_samples and run.is_main:
             extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step,

@@ -56,6 +56,9 @@ class RunModel:
                 model.load_state_dict(state["lora_adapter"], strict=False)
         self.model = distributed.wrap(model, device).train()
         self.dist.replica = self.replica
+        # a vLLM engine holds its own copy, streamed after each update (``sync``): the plain copy is
+        # refreshed only where it is read (validation's samples, final/), not after every step
+        self.engine_holds_weights = getattr(cfg, "rollout_backend", "hf") == "vllm"
         self.stale = True
         self.refresh()
 
@@ -79,6 +82,38 @@ class RunModel:
 
     def _peft(self):
         return getattr(self.model, "module", self.model)
+
+    def sync(self, backend) -> None:
+        """Give the rollout backend the updated weights (every rank, after the outer step): an
+        engine with its own copy (vLLM) loads ``full_weights`` as they stream; the HF backend
+        samples from ``sampling_model`` itself (refreshed first)."""
+        if self.engine_holds_weights:
+            backend.sync_weights(self.sampling_model, weights=self.full_weights())
+        else:
+            self.refresh()
+            backend.sync_weights(self.sampling_model)
+
+    def full_weights(self):
+        """The sampler's weights as a stream of (ordinary name, tensor) — full, and with LoRA merged —
+        gathered one parameter (a LoRA layer: its W, A, B) at a time: what a rollout engine with its
+        own copy loads after an update (a collective under sharding: every rank reads it to the end).
+        ``gathered_peak_bytes`` is then the most bytes the stream had made and not yet seen freed at
+        once (0 when nothing is gathered or merged: one process, DDP)."""
+        import weakref
+
+        alive: list = []  # weak references to the tensors this stream made (gathered or merged)
+        self.gathered_peak_bytes = 0
+        local = {_storage(v) for v in self._peft().state_dict(keep_vars=True).values()}
+        items = distributed.full_weights(self.model)
+        if self.lora:
+            items = lora.merged_weights(items, lora.lora_scaling(self._peft()))
+        for name, value in items:
+            if _storage(value) not in local:
+                alive.append((weakref.ref(value), value.numel() * value.element_size()))
+            alive = [(ref, size) for ref, size in alive if ref() is not None]
+            self.gathered_peak_bytes = max(self.gathered_peak_bytes, sum(size for _, size in alive))
+            yield name, value
+            del value
 
     # ------------------------------------------------------------ optimizer
 
@@ -143,6 +178,12 @@ class RunModel:
         return atomic_directory(target, write) if self.dist.is_main else target
 
 
+def _storage(t) -> int:
+    """The address of a tensor's storage (a DTensor's: its local shard's)."""
+    local = getattr(t, "to_local", None)
+    return (local() if local is not None else t).untyped_storage().data_ptr()
+
+
 def frozen_copy(model):
     """A frozen reference policy: a copy of the starting model, eval mode, no gradients. With LoRA,
     the same model with its adapter disabled (the base: no second copy of the weights); under
@@ -161,8 +202,10 @@ def check_distributed(cfg, dist) -> None:
     if world == 1:
         return
     if cfg.command == "ppo":
-        raise ConfigError(f"distributed: {cfg.distributed}: ppo runs in one process for now (its value head is not "
-                          "under the engine); use distributed: none")
+        # the engine wraps the policy before PPO adds its critic: the value head's gradients would
+        # never be averaged (each rank's critic would drift apart) and GAE whitening would see one rank
+        raise ConfigError(f"distributed: {cfg.distributed}: ppo's value head is trained outside the engine's wrapping "
+                          "(its gradients would not be averaged over ranks); use distributed: none")
     group = getattr(cfg, "group_size", 1) if cfg.command == "grpo" else 1
     rollout = getattr(cfg, "rollout_batch_size", None)
     if cfg.command == "grpo" and rollout % (group * world):

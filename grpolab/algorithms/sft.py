@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_microbatch_train_step
 from ..data import SFTPair, conversation_segments
@@ -53,7 +53,16 @@ class SFTConfig(SampledRunConfig):
     # the tokenizer's eos (a chat model's end-of-turn token) ends every response that does not end
     # with it already, so the model learns to stop (TRL does the same); false: responses as given
     append_eos: bool = True
+    # SFT length chosen by validation: stop at the first periodic validation (every eval_every
+    # steps) whose accuracy reaches this; n_sft_steps is then the cap (None: always n_sft_steps)
+    stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
     run_dir: str = "runs/sft"
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        if self.stop_at_eval_accuracy is not None and not self.eval_every:
+            raise ValueError("stop_at_eval_accuracy needs eval_every > 0 (the validations it stops at)")
+        return self
 
 
 def sft_pairs(cfg: SFTConfig, tokenizer=None):
@@ -174,10 +183,24 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s) if inputs.reward is not None else None
         backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator)
-        validate = validation(run, EnvBackend(backend, env) if env is not None else backend, inputs, cfg, scorer)
+        measure = validation(run, EnvBackend(backend, env) if env is not None else backend, inputs, cfg, scorer)
+        reached = []  # (step, figures) of the validation whose accuracy reached stop_at_eval_accuracy
+
+        def validate(step: int) -> dict:
+            metrics = measure(step)
+            if cfg.stop_at_eval_accuracy is not None and metrics.get("accuracy", 0.0) >= cfg.stop_at_eval_accuracy:
+                reached.append((step, metrics))
+            return metrics
+
         if cfg.eval_every and not run.resuming:
             validate(0)  # the starting point of the validation curve
         for step in run.steps():
+            if reached:
+                run.log({"sft/stopped_at_step": reached[0][0], "sft/stop_at_eval_accuracy": cfg.stop_at_eval_accuracy})
+                run.bar.write(f"grpolab sft: validation accuracy {reached[0][1]['accuracy']:.1%} reached "
+                              f"stop_at_eval_accuracy ({cfg.stop_at_eval_accuracy:.0%}) at step {reached[0][0]} of at "
+                              f"most {cfg.n_sft_steps}: stopping")
+                break
             batch = distributed.shard([sequences[i] for i in sampler.next(cfg.train_batch_size)])
             loss, nll, tok = accumulate_sft_gradient(run.model, batch, cfg.gradient_accumulation_steps, cfg.normalize_constant,
                                                      pad_id, run.device, run.autocast)
@@ -187,7 +210,7 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
             run.train_step = step + 1
             run.bar.set_postfix(nll=f"{nll / max(tok, 1.0):.3f}")
             run.end_step(step + 1, validate)
-        after = validate(cfg.n_sft_steps)
+        after = reached[0][1] if reached else validate(cfg.n_sft_steps)
         if scorer is not None:
             scorer.close()
         return run.finish(after, n_examples=len(pairs))

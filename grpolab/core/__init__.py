@@ -45,6 +45,7 @@ from .logprobs import (
 )
 from .losses import (
     LOSS_TYPES,
+    compute_bradley_terry_loss,
     compute_dpo_loss,
     compute_grpo_clip_loss,
     compute_naive_policy_gradient_loss,
@@ -96,6 +97,7 @@ __all__ = [
     "check_kl_loss_estimator",
     "compute_advantages",
     "compute_cispo_loss",
+    "compute_bradley_terry_loss",
     "compute_dpo_loss",
     "compute_entropy",
     "compute_gae",

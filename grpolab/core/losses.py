@@ -193,3 +193,10 @@ def compute_dpo_loss(
     """Per-example DPO loss (Rafailov et al. 2023, eq. 7): ``-log sigmoid(beta * ((c - c_ref) - (r - r_ref)))``."""
     logits = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
     return -F.logsigmoid(beta * logits)
+
+
+def compute_bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                               margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """Per-pair reward-model loss (Bradley & Terry 1952; Ouyang et al. 2022, eq. 1), with the
+    optional margin of Touvron et al. 2023 (Llama 2, eq. 2): ``-log sigmoid(r_c - r_r - margin)``."""
+    return -F.logsigmoid(chosen_rewards.float() - rejected_rewards.float() - margin)

@@ -162,8 +162,8 @@ class EnvBackend:
                  prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:
         return rollouts(self.backend, self.env, prompts, n, sampling, prompt_ids, self.tokenizer)
 
-    def sync_weights(self, model) -> None:
-        self.backend.sync_weights(model)
+    def sync_weights(self, model, **weights) -> None:
+        self.backend.sync_weights(model, **weights)
 
     def __getattr__(self, name: str) -> Any:  # model, end_ids, ... of the wrapped backend
         return getattr(self.backend, name)

@@ -26,13 +26,14 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, responses, gts):
+def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, responses, gts, prompts=None,
+           questions=None):
     """Scores and the number of reward errors of this call (a reused scorer keeps its own total)."""
     own = scorer is None
     scorer = scorer or RewardScorer(reward_fn, timeout_s=reward_timeout_s)
     before = scorer.errors
     try:
-        scores = scorer.score(responses, gts)
+        scores = scorer.score(responses, gts, prompts=prompts, questions=questions)
     finally:
         if own:
             scorer.close()
@@ -58,7 +59,8 @@ def evaluate(
     prompts = [template.format(e.question) for e in examples]
     rollouts = backend.generate(prompts, n, sampling)
     gts = [examples[r.prompt_index].answer for r in rollouts]
-    scores, errors = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts], gts)
+    scores, errors = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts], gts,
+                            [r.prompt for r in rollouts], [examples[r.prompt_index].question for r in rollouts])
     lengths = [len(r.response_ids) for r in rollouts]
     correct = [s["reward"] >= 1.0 for s in scores]
     metrics = {

@@ -102,13 +102,31 @@ def adapter_state_dict(state: dict) -> dict:
 def merged_state_dict(state: dict, scaling: float) -> dict:
     """W + scaling * B @ A for every adapted linear layer (ordinary names): the weights the policy
     computes with, as one plain model (what the sampler and a merged export use)."""
-    out = {}
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        if key.endswith(".base_layer.weight"):
-            stem = key[: -len(".base_layer.weight")]
-            a, b = state[f"{stem}.lora_A.{ADAPTER}.weight"], state[f"{stem}.lora_B.{ADAPTER}.weight"]
-            value = value + scaling * (b.to(value.dtype) @ a.to(value.dtype))
-        out[_plain_key(key).replace(".base_layer.", ".")] = value
-    return out
+    return dict(merged_weights(state.items(), scaling))
+
+
+def merged_weights(items, scaling: float):
+    """``merged_state_dict`` as a stream: (ordinary name, weight) pairs from a peft model's
+    (name, tensor) pairs in state-dict order, each adapted layer's W + scaling * B @ A yielded as soon
+    as its W, A and B have passed (one layer held at a time: what a weight sync streams)."""
+    pending: dict[str, dict] = {}  # stem -> {"w"|"a"|"b": tensor} until the layer is whole
+    for key, value in items:
+        for part, suffix in (("w", ".base_layer.weight"), ("a", f".lora_A.{ADAPTER}.weight"),
+                             ("b", f".lora_B.{ADAPTER}.weight")):
+            if key.endswith(suffix):
+                stem = key[: -len(suffix)]
+                layer = pending.setdefault(stem, {})
+                layer[part] = value
+                if len(layer) == 3:
+                    del pending[stem]
+                    w = layer["w"]
+                    merged = w + scaling * (layer["b"].to(w.dtype) @ layer["a"].to(w.dtype))
+                    del w, layer, value  # a stream holds one layer: nothing of this one outlives its yield
+                    yield _plain_key(f"{stem}.weight"), merged
+                    del merged
+                break
+        else:
+            if ".lora_" not in key:
+                yield _plain_key(key).replace(".base_layer.", "."), value
+    if pending:
+        raise ValueError(f"LoRA layer {next(iter(pending))} lacks its base weight or an adapter matrix")

@@ -11,11 +11,13 @@ from .registry import (
     check_reward_spec,
     check_reward_output,
     get_reward_fn,
+    has_reward_model,
     is_builtin_reward,
     lenient_reward,
     reward_reads_tags,
     reward_spec,
 )
+from .reward_model import ModelReward, RewardModel, RewardModelOptions, reward_model_text
 from .scoring import ZERO_SCORE, RewardScorer
 from .supervisor import shutdown_idle_workers
 from .tasks import arithmetic_reward_fn, countdown_reward_fn, evaluate_equation
@@ -48,6 +50,11 @@ __all__ = [
     "evaluate_equation",
     "extract_r1_zero_answer",
     "get_reward_fn",
+    "has_reward_model",
+    "ModelReward",
+    "RewardModel",
+    "RewardModelOptions",
+    "reward_model_text",
     "grade_answer",
     "gsm8k_reward_fn",
     "hedge_words",

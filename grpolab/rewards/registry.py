@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from .reward_model import ModelReward, RewardModel, RewardModelOptions, is_model_component
 from .tasks import arithmetic_reward_fn, countdown_reward_fn
 from .verifiers import gsm8k_reward_fn, question_only_reward_fn, r1_zero_reward_fn
 
@@ -39,14 +40,17 @@ def lenient_reward(reward: RewardFn) -> RewardFn:
     spec = reward_spec(reward)
     if isinstance(spec, str) and spec in BUILTIN_REWARDS and not spec.endswith("_lenient"):
         return BUILTIN_REWARDS.get(f"{spec}_lenient", reward)
-    return reward
+    return getattr(reward, "lenient", reward)  # a module-level reward naming its lenient form (rewards.gym)
 
 
 def reward_reads_tags(reward: Any) -> bool:
     """True for a reward that reads an ``<answer>`` block: the built-in R1 rewards, the embedded
     tasks' (a function with a ``lenient_format`` keyword), weighted sums of them."""
     if isinstance(reward, (list, tuple)):
-        return any(reward_reads_tags(c["fn"] if isinstance(c, dict) else c.fn) for c in reward)
+        return any(reward_reads_tags(c["fn"] if isinstance(c, dict) else c.fn) for c in reward
+                   if not is_model_component(c))
+    if isinstance(reward, ModelReward):
+        return reward.rule is not None and reward_reads_tags(reward.rule)
     if isinstance(reward, str):
         return reward in TAGGED_REWARDS
     spec = reward_spec(reward)
@@ -181,9 +185,12 @@ def _describe_value(value: Any) -> str:
 def check_reward_spec(spec: Any) -> Any:
     """A config's ``reward:`` value, checked: None, a callable, a built-in name, a
     ``package.module:function`` path, or a non-empty list of component mappings (``fn``,
-    ``weight``, ``key``, ``name``). Else a one-line ValueError naming the key and the rule."""
+    ``weight``, ``key``, ``name``) and reward models (``{model: PATH, ...}``, alone or in the list).
+    Else a one-line ValueError naming the key and the rule."""
     if spec is None or callable(spec):
         return spec
+    if is_model_component(spec):
+        return _check_model_component(spec, "reward")
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise ValueError("reward: a weighted reward needs at least one component")
@@ -194,6 +201,9 @@ def check_reward_spec(spec: Any) -> Any:
             if not isinstance(comp, dict):
                 raise ValueError(f"reward[{i}]: expected a mapping with fn (and weight, key, name), "
                                  f"got {_describe_value(comp)}")
+            if is_model_component(comp):
+                out.append(_check_model_component(comp, f"reward[{i}]"))
+                continue
             try:
                 checked = _ComponentSpec.model_validate(comp)
             except ValidationError as exc:
@@ -210,10 +220,35 @@ def check_reward_spec(spec: Any) -> Any:
         raise ValueError(f"reward: {exc}") from None
 
 
+def _check_model_component(spec: dict, where: str) -> dict:
+    """A reward-model component's keys, checked (``RewardModelOptions``); one line naming the key."""
+    try:
+        return RewardModelOptions.model_validate(spec).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key; expected " + ", ".join(RewardModelOptions.model_fields) if err["type"] == "extra_forbidden" \
+            else err["msg"].removeprefix("Value error, ")
+        raise ValueError(" ".join(f"{where}.{loc}: {msg}".split())) from None
+
+
+def has_reward_model(reward: Any) -> bool:
+    """True for a reward with a learned reward model (a built one, or its config spec)."""
+    if isinstance(reward, ModelReward) or is_model_component(reward):
+        return True
+    return isinstance(reward, (list, tuple)) and any(is_model_component(c) for c in reward)
+
+
 def build_reward(spec: Any) -> RewardFn:
-    """A reward from config: a name/path string, or a list of component dicts (weighted sum)."""
+    """A reward from config: a name/path string, a list of component dicts (weighted sum), or with
+    reward models (``{model: PATH}``) a ``ModelReward`` (scored by ``RewardScorer`` with the prompts)."""
     if not callable(spec):
         spec = check_reward_spec(spec)
+    if has_reward_model(spec):
+        parts = spec if isinstance(spec, (list, tuple)) else [spec]
+        rules = [c for c in parts if not is_model_component(c)]
+        models = [RewardModel(RewardModelOptions(**c)) for c in parts if is_model_component(c)]
+        return ModelReward(WeightedReward(rules) if rules else None, models)
     if isinstance(spec, (list, tuple)):
         return WeightedReward(spec)
     return get_reward_fn(spec)

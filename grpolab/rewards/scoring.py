@@ -17,6 +17,10 @@ reward runs (``isolation``):
 
 ``num_workers > 0`` also sends built-ins to that many workers, to grade in parallel.
 ``timeout_s`` is per response; ``0``/``None`` means no time limit (workers still catch crashes).
+
+A reward with learned reward models (``reward_model.ModelReward``) has its rule part scored as
+above and its models in this process, in batches, on ``device`` (``reward_model.py`` says why);
+they read the prompts, so ``score`` then needs ``prompts``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 
 from .isolation import child_sys_path
 from .registry import build_reward, check_reward_output, is_builtin_reward, reward_spec
+from .reward_model import ModelReward
 from .supervisor import DEFAULT_MEMORY_LIMIT_MB, UnsendableInputs, WorkerPool, WorkerStartError
 
 ZERO_SCORE = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
@@ -50,10 +55,13 @@ class RewardScorer:
 
     def __init__(self, reward_fn: Any, timeout_s: float | None = 10.0, num_workers: int = 0, *,
                  isolation: str = "auto", max_restarts: int = 8,
-                 memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB):
+                 memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB, device=None):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation must be one of {', '.join(ISOLATION_MODES)}, not {isolation!r}")
-        self.reward_fn = build_reward(reward_fn) if isinstance(reward_fn, (str, list, tuple)) else reward_fn
+        reward = build_reward(reward_fn) if isinstance(reward_fn, (str, list, tuple, dict)) else reward_fn
+        self.model_reward = reward if isinstance(reward, ModelReward) else None
+        self.reward_fn = reward.rule if self.model_reward is not None else reward
+        self.device = device  # where reward models run unless they name a device
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.num_workers = num_workers
         self.isolation = isolation
@@ -65,7 +73,7 @@ class RewardScorer:
         self._threads: cf.ThreadPoolExecutor | None = None
         self._pool: WorkerPool | None = None
         self._spec = reward_spec(self.reward_fn)
-        self.mode = self._choose_mode()
+        self.mode = self._choose_mode() if self.reward_fn is not None else "model"
 
     def _choose_mode(self) -> str:
         builtin = is_builtin_reward(self.reward_fn)
@@ -90,13 +98,16 @@ class RewardScorer:
 
     # ---------------------------------------------------------------- bookkeeping
     def _failed(self, message: str) -> dict[str, float]:
+        self._count_error(message)
+        return dict(ZERO_SCORE)
+
+    def _count_error(self, message: str) -> None:
         self.errors += 1
         self.last_error = message
         if message.startswith("timed out"):
             self.timeouts += 1
         elif message.startswith("reward worker died"):
             self.worker_deaths += 1
-        return dict(ZERO_SCORE)
 
     def _call(self, response: str, ground_truth: Any) -> dict[str, float]:
         try:
@@ -105,8 +116,31 @@ class RewardScorer:
             return self._failed(f"{type(exc).__name__}: {exc}")
 
     # ---------------------------------------------------------------- scoring
-    def score(self, responses: Sequence[str], ground_truths: Sequence[Any]) -> list[dict[str, float]]:
-        """One score dict per response (``reward`` and whatever else the reward returns)."""
+    def score(self, responses: Sequence[str], ground_truths: Sequence[Any], prompts: Sequence[Any] | None = None,
+              questions: Sequence[Any] | None = None) -> list[dict[str, float]]:
+        """One score dict per response (``reward`` and whatever else the reward returns). Reward
+        models read ``prompts`` (the text each response continues) or, with their ``chat_template``,
+        ``questions``; rule rewards ignore both."""
+        if self.model_reward is None:
+            return self._score_rules(responses, ground_truths)
+        if prompts is None:
+            raise ValueError("a reward model scores the prompt with the response: RewardScorer.score(..., prompts=...)")
+        rules = self._score_rules(responses, ground_truths) if self.reward_fn is not None else [{} for _ in responses]
+        with self._lock:
+            scores, errors = self.model_reward.combine(rules, list(prompts), list(responses), questions, self.device)
+            for message in errors:
+                self._count_error(message)
+        return scores
+
+    def state_dict(self) -> dict:
+        """The reward models' running normalisation statistics (checkpointed by the trainers)."""
+        return self.model_reward.state_dict() if self.model_reward is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.model_reward is not None:
+            self.model_reward.load_state_dict(state)
+
+    def _score_rules(self, responses: Sequence[str], ground_truths: Sequence[Any]) -> list[dict[str, float]]:
         items = list(zip(responses, ground_truths))
         with self._lock:
             if self.mode == "process":

@@ -134,6 +134,10 @@ class VLLMRolloutBackend:
         self.sleep_mode, self._asleep = enable_sleep_mode, False
         self._stop_ids: dict[tuple[str, ...], dict[int, str]] = {}
         self._dir = _engine_dir(model, tokenizer)
+        # under torchrun every rank builds its own engine (tensor-parallel 1) inside the trainer's
+        # process group: vLLM lays ranks out as external data parallel x TP, so each rank's TP group
+        # is itself and ranks sample independently (veRL's and TRL's colocate layout)
+        self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
         # vLLM seeds python/numpy/torch globally and draws dummy weights: the trainer's streams must not move
         py_state, np_state = random.getstate(), np.random.get_state()
@@ -154,14 +158,17 @@ class VLLMRolloutBackend:
         self.sync_weights(model)
 
     # ---------------------------------------------------------------- weights
-    def sync_weights(self, model) -> None:
-        """Copy ``model``'s weights into the engine in place and drop the prefix cache."""
+    def sync_weights(self, model, weights=None) -> None:
+        """Copy ``model``'s weights — or ``weights``, (name, tensor) pairs streamed one at a time, e.g.
+        gathered from shards or merged with an adapter — into the engine in place and drop the
+        prefix cache."""
         t0 = time.perf_counter()
         self.model = model
         self._wake()
+        if weights is None:
+            weights = ((name, t.detach()) for name, t in model.state_dict().items())
         with torch.no_grad():
-            weights = [(name, t.detach()) for name, t in model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
 
@@ -179,13 +186,33 @@ class VLLMRolloutBackend:
             self._asleep = True
 
     def close(self) -> None:
-        """Shut the engine down and free its memory (a later backend can start a new one)."""
+        """Shut the engine down and free its memory (a later backend can start a new one). Under
+        torchrun the trainer's process group outlives the engine: vLLM's own groups go, not it."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            client = getattr(engine, "engine_core", None)
+            core = getattr(client, "engine_core", None)
+            if self._trainer_group and core is not None:
+                import gc
+
+                from vllm.distributed import parallel_state
+
+                # EngineCore.shutdown (also run when the client is collected) would destroy the default group
+                if getattr(client, "_finalizer", None) is not None:
+                    client._finalizer.detach()
+                core.structured_output_manager.clear_backend()
+                core.model_executor.shutdown()
+                core.scheduler.shutdown()
+                gc.unfreeze()
+                parallel_state.destroy_model_parallel()  # its TP/PP/DP groups (each of this rank alone)
+                if parallel_state._WORLD is not None:  # its world group; the trainer's default group stays
+                    parallel_state._WORLD.destroy()
+                    parallel_state._WORLD = None
+            else:
+                shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
             del self.llm
         self._dir.cleanup()
 

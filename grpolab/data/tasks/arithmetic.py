@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from ...rewards.tasks import arithmetic_reward_fn
@@ -56,24 +57,9 @@ class ArithmeticTask(Task):
         nums = [rng.randint(0, hi) for _ in range(self.num_ops + 1)]
         ops = [rng.choice(self.ops) for _ in range(self.num_ops)]
         question = "".join(f"{n}{o}" for n, o in zip(nums, ops)) + str(nums[-1])
-        steps = []
         wrong_step = rng.randrange(self.num_ops) if wrong and self.wrong_kind == "step" else -1
-        values, true_values, ops_left = list(nums), list(nums), list(ops)
-        step = 0
-        while ops_left:
-            i = ops_left.index("*") if "*" in ops_left else 0
-            a, op, b = values[i], ops_left[i], values[i + 1]
-            result = apply_op(a, op, b)
-            true_result = apply_op(true_values[i], op, true_values[i + 1])
-            if step == wrong_step:
-                result = wrong_value(result, rng)
-            steps.append(f"{a}{op}{b}={result}")
-            values[i : i + 2] = [result]
-            true_values[i : i + 2] = [true_result]
-            ops_left.pop(i)
-            step += 1
-        answer = true_values[0]
-        final = wrong_value(values[0], rng) if wrong and self.wrong_kind == "answer" else values[0]
+        steps, value, answer = _solve(nums, ops, wrong_step, rng)
+        final = wrong_value(value, rng) if wrong and self.wrong_kind == "answer" else value
         solution = " ".join(steps) + f"</think> <answer>{final}</answer>"
         return Example(question, str(answer), solution)
 
@@ -86,7 +72,36 @@ class ArithmeticTask(Task):
                 ex.question = in_words(ex.question)
         return out
 
-    def wrong_solution(self, example: Example, rng: random.Random) -> str:
+    def wrong_solution(self, example: Example, rng: random.Random, kind: str = "answer") -> str:
+        """The same question's worked solution, wrong: ``answer`` (right steps, a wrong final
+        answer) or ``step`` (one step's result off, the error carried to a consistent final answer)."""
+        if kind == "step":
+            compact = example.meta.get("compact_question", example.question)
+            nums = [int(n) for n in re.findall(r"\d+", compact)]
+            ops = re.findall(r"(?<=\d)[+\-*]", compact)
+            steps, value, _ = _solve(nums, ops, rng.randrange(len(ops)), rng)
+            return " ".join(steps) + f"</think> <answer>{value}</answer>"
         head, _, rest = example.solution.rpartition("<answer>")
         value = int(rest.split("</answer>")[0])
         return f"{head}<answer>{wrong_value(value, rng)}</answer>"
+
+
+def _solve(nums: list[int], ops: list[str], wrong_step: int, rng: random.Random) -> tuple[list[str], int, int]:
+    """The worked steps (multiplications first, then left to right), the value they reach and the
+    true value; step ``wrong_step`` (-1: none) is off by a little and the error is carried on."""
+    steps = []
+    values, true_values, ops_left = list(nums), list(nums), list(ops)
+    step = 0
+    while ops_left:
+        i = ops_left.index("*") if "*" in ops_left else 0
+        a, op, b = values[i], ops_left[i], values[i + 1]
+        result = apply_op(a, op, b)
+        true_result = apply_op(true_values[i], op, true_values[i + 1])
+        if step == wrong_step:
+            result = wrong_value(result, rng)
+        steps.append(f"{a}{op}{b}={result}")
+        values[i : i + 2] = [result]
+        true_values[i : i + 2] = [true_result]
+        ops_left.pop(i)
+        step += 1
+    return steps, values[0], true_values[0]

@@ -11,7 +11,12 @@ TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "retrieval": 
 
 
 def get_task(name: str, **kwargs) -> Task:
-    """The task ``name`` built with ``kwargs`` (its dataclass fields: ``seed``, ``wrong_fraction``, ...)."""
+    """The task ``name`` built with ``kwargs`` (its dataclass fields: ``seed``, ``wrong_fraction``, ...);
+    ``rg:NAME`` is a reasoning-gym generator (``kwargs``: its config fields)."""
+    if name.startswith("rg:"):
+        from .gym import ReasoningGymTask  # reasoning-gym is an optional extra: imported only when asked for
+
+        return ReasoningGymTask(name[3:], **kwargs)
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}, or rg:NAME (reasoning-gym)")
     return TASKS[name](**kwargs)

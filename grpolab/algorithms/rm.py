@@ -1,0 +1,134 @@
+"""Reward-model training (``grpolab rm``): Bradley–Terry on preference pairs (Ouyang et al. 2022,
+§3.5; TRL's RewardTrainer), with the optional margin of Llama 2.
+
+The data are DPO's: a preference JSONL (``{prompt, chosen, rejected}``) or pairs built from an
+embedded task (a correct worked solution preferred to the same solution with a wrong final answer);
+``load_preference_inputs`` reads both. The model is a sequence classifier with one output: a
+``*ForSequenceClassification`` directory as it is, or any causal LM (a directory, ``embedded:tiny``)
+with a value head on its last non-pad token (``models.classifier``). Each pair is two texts —
+``prompt + chosen`` and ``prompt + rejected``, exactly what ``reward: {model: ...}`` scores later
+(``rewards.reward_model_text``) — and the loss is ``-log sigmoid(r_c - r_r - margin)``.
+
+Everything else is the shared ``Run``: checkpoints and exact resume, metrics (``train/loss``,
+``train/accuracy``, ``eval/pairwise_accuracy``, ``eval/reward_margin``), and ``final/``, an ordinary
+Hugging Face directory that ``AutoModelForSequenceClassification.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from ..core import compute_bradley_terry_loss
+from ..data import PreferencePair
+from ..models.classifier import load_sequence_classifier
+from ..rewards import reward_model_text
+from . import distributed
+from .batching import ExampleSampler
+from .config import RunConfig
+from .inputs import load_preference_inputs
+from .optimization import effective_warmup, make_optimizer, make_scheduler
+from .run import Run, TrainResult
+
+
+class RMConfig(RunConfig):
+    command, steps_field, step_key = "rm", "n_rm_steps", "rm_step"
+    task_train_size: int = Field(1000, ge=1)
+    n_rm_steps: int = Field(100, ge=1)
+    learning_rate: float = Field(1e-5, gt=0)
+    train_batch_size: int = Field(16, ge=1)  # pairs per optimizer step
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    margin: float = 0.0  # Llama 2's margin: the chosen must beat the rejected by this much before the loss is small
+    max_length: int = Field(1024, ge=1)  # tokens per text, truncated from the left (the score is read at the end)
+    chat_template: bool = False  # render (prompt, response) with the model's chat template (as reward: chat_template)
+    eval_pairs: int = Field(200, ge=1)
+    run_dir: str = "runs/rm"
+
+
+def _load(path: str, seed: int = 0, trust_remote_code: bool = False, gradient_checkpointing: bool = False):
+    """Run's model loader for reward models (gradient checkpointing is switched on by the Run)."""
+    return load_sequence_classifier(path, seed=seed, trust_remote_code=trust_remote_code)
+
+
+def pair_rewards(model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores of a batch of pairs, in one forward over both texts of every pair."""
+    texts = [reward_model_text(tokenizer, p.prompt, p.chosen, chat_template=cfg.chat_template) for p in pairs]
+    texts += [reward_model_text(tokenizer, p.prompt, p.rejected, chat_template=cfg.chat_template) for p in pairs]
+    tokenizer.truncation_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=cfg.max_length,
+                    add_special_tokens=False).to(device)
+    scores = model(**enc).logits[:, 0].float()
+    return scores[: len(pairs)], scores[len(pairs):]
+
+
+@torch.no_grad()
+def pairwise_accuracy(model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device,
+                      batch_size: int = 32) -> dict[str, float]:
+    """Held-out figures: the share of pairs whose chosen response scores above the rejected one,
+    the mean margin ``r_c - r_r`` and the mean loss."""
+    if not pairs:
+        raise ValueError("no held-out preference pairs to evaluate on")
+    margins = []
+    for i in range(0, len(pairs), batch_size):
+        c, r = pair_rewards(model, tokenizer, pairs[i : i + batch_size], cfg, device)
+        margins.append(c - r)
+    m = torch.cat(margins)
+    return {"pairwise_accuracy": float((m > 0).float().mean()), "reward_margin": float(m.mean()),
+            "loss": float(compute_bradley_terry_loss(m, torch.zeros_like(m), cfg.margin).mean())}
+
+
+def rm_gradient(model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device) -> tuple[float, int, float]:
+    """Forward/backward one optimizer batch in micro-batches: the mean loss, the number of pairs
+    ranked right and the summed margin (over every rank in a distributed run)."""
+    micro = max(1, len(pairs) // cfg.gradient_accumulation_steps)
+    total, correct, margin = 0.0, 0, 0.0
+    for m in range(cfg.gradient_accumulation_steps):
+        chunk = pairs[m * micro : (m + 1) * micro]
+        c, r = pair_rewards(model, tokenizer, chunk, cfg, device)
+        losses = compute_bradley_terry_loss(c, r, cfg.margin)
+        (losses.mean() / cfg.gradient_accumulation_steps).backward()
+        total += float(losses.detach().mean()) / cfg.gradient_accumulation_steps
+        correct += int((c > r).sum())
+        margin += float((c - r).detach().sum())
+    for _ in range(distributed.padding_micro_batches(cfg.gradient_accumulation_steps)):
+        distributed.dummy_backward(model)
+    world = distributed.current().world_size
+    return distributed.all_reduce(total) / world, distributed.all_reduce(correct), distributed.all_reduce(margin)
+
+
+def train_rm(cfg: RMConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Train a reward model as configured (``model``/``tokenizer``: a sequence classifier to start from)."""
+    train, held = load_preference_inputs(cfg, tokenizer)
+    if not train:
+        raise ValueError("no training pairs")
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer, load_model=_load) as run:
+        model, tokenizer = run.model, run.tokenizer
+        optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
+        scheduler = run.track("scheduler", make_scheduler(
+            optimizer, effective_warmup(cfg.warmup_steps, cfg.n_rm_steps), cfg.n_rm_steps, cfg.lr_schedule))
+        sampler = run.track("data", ExampleSampler(len(train), cfg.seed))
+
+        def held_out(step: int) -> dict[str, float]:
+            model.eval()
+            try:
+                return run.validate(step, lambda: pairwise_accuracy(run.sampling_model, tokenizer, held, cfg, run.device))
+            finally:
+                model.train()
+
+        before = held_out(0) if not run.resuming else None
+        for step in run.steps():
+            batch = distributed.shard([train[i] for i in sampler.next(cfg.train_batch_size)])
+            loss, correct, margin = rm_gradient(run.model, tokenizer, batch, cfg, run.device)
+            result = run.optimizer_step(optimizer, scheduler, loss)
+            run.log_update({"train_step": step, "rm_step": step, "train/loss": loss,
+                            "train/accuracy": correct / cfg.train_batch_size,
+                            "train/reward_margin": margin / cfg.train_batch_size}, result, optimizer)
+            run.train_step = step + 1
+            run.bar.set_postfix(loss=f"{loss:.4f}")
+            run.end_step(step + 1, held_out)
+        after = held_out(cfg.n_rm_steps)
+        return run.finish(after, before=before)
