@@ -40,7 +40,7 @@ SFT_SMALL = ["--n-sft-steps", "2", "--eval-examples", "4", "--task-train-size", 
 GRPO_SMALL = ["--n-grpo-steps", "2", "--eval-examples", "4"]
 RESUME_SMALL = ["--n-grpo-steps", "3", "--eval-examples", "4"]  # one step past the shortened run: the resume trains
 
-# Commands run, by the start of their argv (first match wins): the small-step overrides.
+# Commands run, by the start of their argv (first match wins, after NOT_RUN): the small-step overrides.
 RUN = [
     ((".venv/bin/grpolab", "sft"), SFT_SMALL),
     ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
@@ -66,6 +66,8 @@ NOT_RUN = [
     ((".venv/bin/grpolab", "eval", "--model", "runs/rg_arith/"), "needs the rg_arith run above; tests/test_gym_tasks.py "
                                                                   "evaluates rg tasks"),
     ((".venv/bin/grpolab", "grpo", "--task", "rg:gsm_symbolic", "--model", "~/.cache/grpolab/"), REAL_MODEL),
+    ((".venv/bin/grpolab", "grpo", "--reward"), "needs runs/rm/final from grpolab rm (not run here); "
+                                                "tests/test_reward_model.py runs GRPO and PPO on a reward model"),
     ((".venv/bin/grpolab", "rm"), "minutes of CPU (the reader's own pairs.jsonl for the second); tests/test_reward_model.py "
                                   "and tests/test_rm_chain.py run grpolab rm shortened, with --resume"),
     (("HEAD=",), "the SLURM recipe: a cluster (tests/scale runs a two-node job on one machine)"),
@@ -112,13 +114,14 @@ def _starts(argv: list[str], prefix: tuple[str, ...]) -> bool:
 
 
 def classify(argv: list[str]) -> tuple[str, object]:
-    """("run", small-step overrides), ("not run", reason) or ("unclassified", None)."""
-    for prefix, small in RUN:
-        if _starts(argv, prefix):
-            return "run", small
+    """("not run", reason), ("run", small-step overrides) or ("unclassified", None): NOT_RUN's
+    entries are the exceptions (a real model, vLLM) to RUN's broad prefixes, so they are checked first."""
     for prefix, reason in NOT_RUN:
         if _starts(argv, prefix):
             return "not run", reason
+    for prefix, small in RUN:
+        if _starts(argv, prefix):
+            return "run", small
     return "unclassified", None
 
 
