@@ -31,7 +31,8 @@ demo: setup
 # with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser \
+		--ignore=tests/test_algorithms_distributed.py $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -65,10 +66,11 @@ test-real: setup
 	@$(GET_REAL_MODEL); \
 	GRPOLAB_REAL_MODEL_UNAVAILABLE="$$real_why" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/real $(ARGS)
 
-# The scale tier: real multi-process torchrun jobs (every trainer under ddp/fsdp2/deepspeed, two
-# nodes on one machine, memory-plan validation against measured peaks); one torch thread per rank.
+# The scale tier: real multi-process torchrun jobs (GRPO's 2-rank gradients and resume, every
+# trainer under ddp/fsdp2/deepspeed, two nodes on one machine, memory-plan validation against
+# measured peaks); one torch thread per rank.
 test-scale: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/scale $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/scale tests/test_algorithms_distributed.py $(ARGS)
 
 # The browser tier: headless Chromium (Debian's package) loads pages grpolab writes. `browser`
 # installs it where apt-get can (as root); where it cannot, the tests say so in one line.
