@@ -414,26 +414,33 @@ def test_a_hanging_or_crashing_reward_neither_stalls_nor_ends_the_run(tmp_path):
 # ---------------------------------------------------------------- 6. Ctrl-C
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (Linux ``/proc``): what a run has done, which a
-    busy machine does not inflate the way it inflates wall time."""
+def _cpu_and_state(pid: int) -> tuple[float, str]:
+    """(user + system CPU seconds, scheduler state) of a live process (Linux ``/proc``): what a run
+    has done, which a busy machine does not inflate the way it inflates wall time; a starved
+    process is runnable ("R"), a stalled one sleeps ("S"/"D") without using CPU."""
     try:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except FileNotFoundError:  # it just ended: the caller's poll() says so next
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, "X"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0]
+
+
+STALLED_POLLS = 30_000  # consecutive polls asleep without a tick of CPU: a hang, never load
 
 
 def _wait_for(predicate, proc: Proc, what: str, timeout: float = TIMEOUT) -> None:
-    """Until ``predicate()``; fails if the run ends first, or spends ``timeout`` seconds of its own
-    CPU without getting there. The wall clock is only a far guard against a run that stalls
-    without using CPU (10x the budget), so load alone cannot fail it."""
-    guard, cpu0 = time.monotonic() + 10 * timeout, _cpu_seconds(proc.proc.pid)
+    """Until ``predicate()``; fails if the run ends first, spends ``timeout`` seconds of its own
+    CPU without getting there, or sleeps without using any CPU for STALLED_POLLS polls in a row
+    (a hang: a run slowed by load stays runnable or keeps using CPU). No wall-clock bound."""
+    cpu0, _ = _cpu_and_state(proc.proc.pid)
+    last, idle = cpu0, 0
     while not predicate():
         assert proc.proc.poll() is None, f"the run ended before {what}:\n{proc.stderr[-4000:]}"
-        used = _cpu_seconds(proc.proc.pid) - cpu0
-        assert used < timeout, f"no {what} within {timeout} CPU seconds of the run"
-        assert time.monotonic() < guard, f"no {what}: the run stalled for {10 * timeout}s"
+        cpu, state = _cpu_and_state(proc.proc.pid)
+        assert cpu - cpu0 < timeout, f"no {what} within {timeout} CPU seconds of the run"
+        idle = idle + 1 if cpu == last and state in "SD" else 0
+        last = cpu
+        assert idle < STALLED_POLLS, f"no {what}: the run sleeps without using CPU (stalled)"
         time.sleep(0.01)
 
 
