@@ -71,3 +71,56 @@ def test_a_group_larger_than_the_batch_bound_is_sampled_in_parts():
     rollouts = backend.generate(["Q: 1+1\nA: <think>", "Q: 2+2\nA: <think>"], 10, SamplingParams(max_tokens=4))
     assert max(seen) <= 4 and sum(seen) == 20
     assert [r.prompt_index for r in rollouts] == [0] * 10 + [1] * 10
+
+
+# ---------------------------------------------------------------- CPU threads
+
+
+def test_cpu_threads_probe_keeps_the_faster_count_and_says_so(monkeypatch):
+    from grpolab.algorithms.resources import choose_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # one busy core: every core is slower than one (the spinning-thread collapse)
+        chosen, line = choose_cpu_threads(None, measure=lambda t: {1: 0.031, 2: 0.072}[t])
+        assert chosen == 1 and torch.get_num_threads() == 1
+        assert line == ("torch threads: 1 (probe: 1 thread 31.0 ms, 2 threads 72.0 ms; set threads in the config or "
+                        "OMP_NUM_THREADS to choose)")
+        torch.set_num_threads(2)
+        assert choose_cpu_threads(None, measure=lambda t: {1: 0.04, 2: 0.025}[t])[0] == 2  # a quiet machine
+        assert torch.get_num_threads() == 2
+        # the real probe runs and picks one of the two
+        assert choose_cpu_threads(None)[0] in (1, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_threads_given_or_set_in_the_environment_are_not_probed(monkeypatch):
+    from grpolab.algorithms.resources import choose_cpu_threads
+
+    def never(threads):
+        raise AssertionError("probed")
+
+    before = torch.get_num_threads()
+    try:
+        assert choose_cpu_threads(1, measure=never) == (1, None) and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(2)
+        assert choose_cpu_threads(None, measure=never) == (2, None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_run_takes_the_configured_thread_count(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        cfg = GRPOConfig(model="embedded:tiny", task="arithmetic", run_dir=str(tmp_path / "run"), n_grpo_steps=1,
+                         rollout_batch_size=4, group_size=2, train_batch_size=4, gradient_accumulation_steps=2,
+                         sampling_max_tokens=8, eval_examples=2, show_progress=False, device="cpu", threads=1)
+        torch.set_num_threads(2)
+        train_grpo(cfg)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

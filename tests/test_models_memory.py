@@ -115,6 +115,51 @@ def test_chunked_gradients_equal_the_unchunked_ones_float32():
         assert (got[name] - ref_g[name]).abs().max() <= 1e-6 * scale, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_plain_head_takes_the_fused_path_with_the_unchunked_values_and_gradients(dtype, monkeypatch):
+    """A plain float head is scored by ``_FusedHeadStats`` (its backward rebuilds each chunk's logits
+    and turns them into their gradient in place): the values and gradients of the whole-logits
+    computation, an entropy term in the loss included."""
+    calls = []
+    apply = logprobs_mod._FusedHeadStats.apply
+    monkeypatch.setattr(logprobs_mod._FusedHeadStats, "apply", lambda *a: calls.append(1) or apply(*a))
+    model = llama(dtype=dtype)
+    ids, labels = batch()
+    ref_lp, ref_ent = reference(model, ids, labels, 0.7)
+    ref_g = grads(model, ref_lp, ref_ent)
+    out = get_response_log_probs(model, ids, labels, True, temperature=0.7, chunk_tokens=5)
+    assert calls == [1]
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert torch.allclose(out["log_probs"], ref_lp, atol=tol, rtol=0)
+    assert torch.allclose(out["token_entropy"], ref_ent, atol=tol, rtol=0)
+    got = grads(model, out["log_probs"], out["token_entropy"])
+    assert got.keys() == ref_g.keys()
+    scale = max(g.abs().max() for g in ref_g.values())
+    for name in ref_g:
+        assert (got[name] - ref_g[name]).abs().max() <= (1e-12 if dtype == torch.float64 else 1e-5) * scale, name
+
+
+def test_fused_head_with_a_bias_passes_gradcheck():
+    torch.manual_seed(3)
+    head = torch.nn.Linear(6, 40, bias=True).double()
+    hidden = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (9,))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: logprobs_mod._FusedHeadStats.apply(h, w, b, labels, 0.6, 4, True),
+        (hidden, head.weight, head.bias))
+
+
+def test_hooked_or_wrapped_heads_keep_the_checkpointed_path():
+    model = llama()
+    head = output_head(model)
+    assert logprobs_mod._fusable(head, head.forward)
+    handle = head.register_forward_hook(lambda *a: None)
+    assert not logprobs_mod._fusable(head, head.forward)
+    handle.remove()
+    set_logits_fp32(model)  # an instance-level float32 forward
+    assert not logprobs_mod._fusable(head, head.forward)
+
+
 def test_one_chunk_is_bit_identical_to_the_unchunked_formula():
     """With a small vocabulary everything fits one chunk: the same ops on the same numbers."""
     model = llama(vocab=300)
@@ -185,8 +230,11 @@ def test_autograd_keeps_no_logits_sized_tensor():
     ids, labels = batch(rows=4, length=16)
     sizes = []
 
-    def pack(t):
-        sizes.append(t.numel())
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def pack(t):  # a saved parameter is a reference, not memory
+        if t.data_ptr() not in params:
+            sizes.append(t.numel())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -476,7 +524,14 @@ def counted(*args, **kwargs):
     return plain(*args, **kwargs)
 
 lp.checkpoint = counted
-atexit.register(lambda: print("CHECKPOINTED_CHUNKS", calls[0], flush=True))
+fused_plain = lp._FusedHeadStats.apply
+
+def fused(hidden, weight, bias, labels, temperature, step, entropy):  # a plain head (DDP): its chunks
+    calls[0] += -(-hidden.shape[0] // step)
+    return fused_plain(hidden, weight, bias, labels, temperature, step, entropy)
+
+lp._FusedHeadStats.apply = fused
+atexit.register(lambda: print("CHUNKED_BLOCKS", calls[0], flush=True))
 sys.argv = ["distributed_grad_check.py"]
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -485,7 +540,8 @@ runpy.run_path({script!r}, run_name="__main__")
 @pytest.mark.slow
 def test_distributed_gradients_with_chunked_logits(tmp_path):
     """tests/distributed_grad_check.py (DDP and FSDP2, 2 ranks, every loss and normalisation) with
-    3-position logits blocks: every micro-batch's head runs chunked and checkpointed."""
+    3-position logits blocks: every micro-batch's head runs chunked (fused under DDP, checkpointed under
+    FSDP2, whose head holds sharded weights)."""
     from tests.test_algorithms_distributed import torchrun
 
     from grpolab.models import load_model_and_tokenizer
@@ -500,7 +556,7 @@ def test_distributed_gradients_with_chunked_logits(tmp_path):
     for row in rows:
         assert row["scale"] > 1e-3 and row["max_abs_diff"] <= 1e-6, row
     # two ranks print at once: a rank's line can be glued to the other's, so find the figures anywhere
-    counts = [int(n) for n in re.findall(r"CHECKPOINTED_CHUNKS\s*(\d+)", out.stdout)]
+    counts = [int(n) for n in re.findall(r"CHUNKED_BLOCKS\s*(\d+)", out.stdout)]
     assert counts and min(counts) > 100, counts  # every rank's forwards ran chunked
 
 

@@ -328,3 +328,30 @@ def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; expected 'hf' or 'vllm'"):
         make_backend("sglang", model, tok)
+
+
+def test_large_vocabularies_draw_by_inverse_cdf_from_the_exact_distribution():
+    """From ``INVERSE_CDF_MIN_VOCAB`` entries on, tokens are drawn by a float64 cumulative sum and a
+    binary search (torch.multinomial's CPU kernel took a fifth of a SmolLM2 decode step): frequencies
+    match the probabilities, zero-probability tokens are never drawn, and a seed gives the same draws."""
+    from grpolab.rollout.hf import INVERSE_CDF_MIN_VOCAB, _draw
+
+    vocab = INVERSE_CDF_MIN_VOCAB + 3
+    probs = torch.zeros(3, vocab)
+    probs[0, [0, vocab - 1]] = torch.tensor([0.25, 0.75])
+    probs[1, 17] = 5.0  # unnormalised, one token
+    probs[2, 100:104] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([_draw(probs, g) for _ in range(6000)])
+    assert bool((probs.gather(1, draws.t()) > 0).all())  # never a token without mass
+    assert torch.equal(draws[:, 1], torch.full((6000,), 17))
+    freq0 = (draws[:, 0] == vocab - 1).float().mean()
+    freq2 = torch.stack([(draws[:, 2] == 100 + k).float().mean() for k in range(4)])
+    # 4 standard errors at 6000 draws
+    assert abs(float(freq0) - 0.75) < 4 * (0.75 * 0.25 / 6000) ** 0.5
+    assert torch.allclose(freq2, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=4 * (0.25 / 6000) ** 0.5)
+    again = torch.stack([_draw(probs, torch.Generator().manual_seed(0)) for _ in range(1)])
+    assert torch.equal(again[0], draws[0])
+    small = torch.tensor([[0.0, 1.0, 0.0]])  # small vocabularies keep torch.multinomial's draws
+    assert torch.equal(_draw(small, torch.Generator().manual_seed(1)),
+                       torch.multinomial(small, 1, generator=torch.Generator().manual_seed(1)).squeeze(-1))

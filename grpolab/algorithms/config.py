@@ -152,6 +152,9 @@ class RunConfig(BaseConfig):
     max_grad_norm: float | None = 1.0
     # --- where and how
     device: str = "auto"
+    # CPU: torch threads. None: OMP_NUM_THREADS when set, else a short probe keeps 1 or all cores, whichever
+    # runs faster now (algorithms/resources.choose_cpu_threads; all cores collapse when other processes hold some)
+    threads: int | None = Field(None, ge=1)
     seed: int = 0
     show_progress: bool = True
     deterministic: bool = False
@@ -307,7 +310,7 @@ class SampledRunConfig(RunConfig):
 RESUME_MAY_CHANGE = (
     "n_grpo_steps", "n_ppo_steps", "n_sft_steps", "n_dpo_steps", "n_ei_steps", "n_rm_steps", "eval_every", "eval_examples",
     "checkpoint_every", "keep_last", "report_to", "show_progress", "log_generations_samples", "run_dir", "device",
-    "token_record_groups",
+    "token_record_groups", "threads",
 )
 
 

@@ -48,6 +48,39 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
         lambda values: response_to_label_layout(values, p_lens, r_lens, width)
 
 
+def forward_tokens(sequences, rows: list[int], shared: bool) -> int:
+    """Tokens a micro-batch of ``rows`` puts through the model, padding not counted: each row's
+    prompt and response, or with ``shared`` each distinct prompt once (the speed benchmark's FLOPs)."""
+    responses = sum(len(sequences[r][1]) for r in rows)
+    if shared:
+        return responses + sum(len(p) for p in {sequences[r][2]: sequences[r][0] for r in rows}.values())
+    return responses + sum(len(sequences[r][0]) for r in rows)
+
+
+def pass_tokens(sequences, passes: list[list[int]], shared: bool) -> int:
+    """Tokens the forwards of ``passes`` (lists of rows) compute, padding included: each pass pads its
+    rows to its longest; with ``shared``, its distinct prompts to the longest prompt, run once, and its
+    responses to the longest response."""
+    total = 0
+    for rows in passes:
+        if shared:
+            prompts = {sequences[r][2]: len(sequences[r][0]) for r in rows}
+            total += len(prompts) * max(prompts.values()) + len(rows) * max(len(sequences[r][1]) for r in rows)
+        else:
+            total += len(rows) * max(len(sequences[r][0]) + len(sequences[r][1]) for r in rows)
+    return total
+
+
+def fewer_padded_tokens(sequences, passes: list[list[int]], rows_per_pass: int, shared: bool) -> list[list[int]]:
+    """``passes`` (rows in batch order: a group's responses together, its prompt run once per pass),
+    or the same rows sorted by response length in passes of ``rows_per_pass`` (little padding, but
+    a pass may hold several prompts), whichever computes fewer tokens. The gradient is the same
+    either way (every loss is scaled by the whole batch's counts)."""
+    ranked = sorted((r for rows in passes for r in rows), key=lambda r: len(sequences[r][1]))
+    by_length = [ranked[i : i + rows_per_pass] for i in range(0, len(ranked), rows_per_pass)]
+    return by_length if pass_tokens(sequences, by_length, shared) < pass_tokens(sequences, passes, shared) else passes
+
+
 def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg, contributes: torch.Tensor,
                                kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None,
                                token_stats: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
@@ -68,16 +101,19 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
     global_rows = distributed.grad_normaliser(len(rows))
     lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
     plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
-    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
+    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0, "forward_tokens": 0.0}
     # sharded engines need one forward per micro-batch on every rank: no two-pass prompt sharing there
     shared = cfg.share_prompt_prefix and supports_shared_prefix(model) and not distributed.current().sharded
     normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
     live_plans = [live for live in ([rows[i] for i in plan if contributes[rows[i]]] for plan in plans) if live]
+    if cfg.micro_batch_token_budget is None and len(live_plans) > 1:
+        live_plans = fewer_padded_tokens(batch.sequences, live_plans, len(plans[0]), shared)
     padding = distributed.padding_micro_batches(len(live_plans))
     for live in live_plans:
         mb, log_probs, entropy, to_label_layout = microbatch_log_probs(model, tensors, batch, live, shared, device,
                                                                        autocast, cfg.policy_temperature)
         label_lp = to_label_layout(log_probs)
+        sums["forward_tokens"] += forward_tokens(batch.sequences, live, shared)
         if trainer_lp is not None:
             trainer_lp[live, : label_lp.shape[1]] = label_lp
         old = mb.get("old_log_probs", log_probs.detach())

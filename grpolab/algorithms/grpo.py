@@ -257,6 +257,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
                 "train/clip_fraction": sums["clip"] / tok, "train/approx_kl_old_new": approx_kl,
                 "train/kl_coef": kl_ctl.value,
                 "train/rows_trained": int(contributes[rows].sum()), "train/tokens_trained": int(sums["tokens"]),
+                "train/forward_tokens": int(sums["forward_tokens"]),
             }, result, optimizer)
             if has_reference:
                 record["train/kl"] = sums["kl"] / tok
@@ -368,6 +369,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             # 3. old and reference log-probs, once per rollout batch (inference mode); the IS correction
             t1 = time.perf_counter()
             is_stats = old_and_reference_log_probs(run, batch, cfg, ref_model)
+            log_probs_s = time.perf_counter() - t1
             # 4. the policy update: epochs of optimizer batches of micro-batches
             stats = empty_stats(batch.labels.shape) if recorder.groups else None  # per-token figures for the viewer
             update = policy_update(run, batch, cfg, optimizer, scheduler, kl_ctl, ref_model is not None, step, stats)
@@ -386,7 +388,7 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
             m.update({**groups.stats, **is_stats, "health/reward_errors": scorer.errors - errors_before,
                       "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": rollout_s,
                       "time/train_s": time.perf_counter() - t1 - sync_s - m["time/token_records_s"],
-                      "time/weight_sync_s": sync_s,
+                      "time/weight_sync_s": sync_s, "time/log_probs_s": log_probs_s,
                       "time/tokens_per_s": sum(
                           len(r.response_ids) for r in groups.rollouts) / max(time.perf_counter() - t0, 1e-9)})
             if sync_s and run.weights.engine_holds_weights:  # the most bytes beyond the shard a sync held at once

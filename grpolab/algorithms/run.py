@@ -39,6 +39,7 @@ from .checkpoints import (RUN_FILES, CheckpointManager, RunDirBusy, RunLock, ato
 from .config import ConfigError, resume_changes
 from .metrics import MetricsLogger, progress
 from .optimization import StepResult, current_lr
+from .resources import choose_cpu_threads
 from .run_model import RunModel, check_distributed, frozen_copy  # noqa: F401 - re-exported for the trainers
 
 
@@ -164,6 +165,10 @@ class Run:
             self._find_checkpoint(cfg)
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = distributed.device_for(resolve_device(cfg.device))
+        if self.device.type == "cpu" and not self.dist.enabled:
+            _, line = choose_cpu_threads(cfg.threads if cfg.threads or not cfg.deterministic else torch.get_num_threads())
+            if line and self.is_main:
+                print(f"grpolab: {line}", file=sys.stderr)
         gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
         if self.resumed_from is not None:
             model, tokenizer = self._load_model(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)

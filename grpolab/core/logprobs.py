@@ -166,6 +166,85 @@ def output_head(model: Any) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Module) else None
 
 
+class _FusedHeadStats(torch.autograd.Function):
+    """Log-probs of ``labels`` and entropies under softmax((hidden @ weight.T + bias) / T), a chunk of
+    positions at a time, keeping only (N,) figures between forward and backward: the backward
+    recomputes each chunk's logits and turns them into their gradient in place,
+    d log p_y / dz = onehot(y) - p and dH / dz = -p * (log p + H) (over T). The same values and
+    gradients as the checkpointed path below with fewer passes over the (chunk, vocab) block."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, step, want_entropy):
+        n, acc = hidden.shape[0], torch.promote_types(weight.dtype, torch.float32)
+        log_probs = hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_zeros(n, dtype=acc)
+        lse_all = hidden.new_empty(n, dtype=acc)
+        for i in range(0, n, step):
+            z = torch.nn.functional.linear(hidden[i : i + step], weight, bias).to(acc)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            lse_all[i : i + step] = lse
+            log_probs[i : i + step] = z.gather(-1, labels[i : i + step, None]).squeeze(-1) - lse
+            if want_entropy:
+                logp = z.sub_(lse[:, None])
+                entropy[i : i + step] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse_all, entropy)
+        ctx.temperature, ctx.step = temperature, step
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, bias, labels, lse_all, entropy = ctx.saved_tensors
+        t, step, acc = ctx.temperature, ctx.step, lse_all.dtype
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
+        if grad_lp is None:
+            grad_lp = torch.zeros_like(lse_all)
+        for i in range(0, hidden.shape[0], step):
+            h = hidden[i : i + step]
+            z = torch.nn.functional.linear(h, weight, bias).to(acc)
+            if t != 1.0:
+                z.div_(t)
+            logp = z.sub_(lse_all[i : i + step, None])
+            g = grad_lp[i : i + step, None]
+            if grad_ent is not None and bool(grad_ent[i : i + step].any()):
+                p = logp.exp()
+                # -p * (g_lp + g_H * (log p + H)), then + g_lp at the label
+                grad = logp.add_(entropy[i : i + step, None]).mul_(grad_ent[i : i + step, None]).add_(g).mul_(p).neg_()
+            else:
+                grad = logp.exp_().mul_(-g)
+            grad.scatter_add_(-1, labels[i : i + step, None], g)
+            if t != 1.0:
+                grad.div_(t)
+            if grad_hidden is not None:
+                grad_hidden[i : i + step] = grad.to(weight.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), h.to(acc))
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _fusable(head, inner) -> bool:
+    """A plain ``nn.Linear`` head called through its own forward (no float32 wrapper, no hooks, no
+    autocast), with ordinary (not sharded or partitioned) float32/float64 weights. Anything else (the
+    float32 head under bf16, FSDP2's DTensors, ZeRO-3's partitions, a hooked head) takes the
+    checkpointed path, whose recomputation goes through the head's own forward."""
+    if type(head) is not torch.nn.Linear or getattr(inner, "__func__", None) is not torch.nn.Linear.forward:
+        return False
+    if head._forward_hooks or head._forward_pre_hooks or torch.is_autocast_enabled():
+        return False
+    weight = head.weight
+    return type(weight) is torch.nn.Parameter and type(weight.data) is torch.Tensor and \
+        weight.dtype in (torch.float32, torch.float64) and not hasattr(weight, "ds_id")
+
+
 class _ChunkedHead:
     """For one forward call, ``head`` returns (batch, seq, 2) = (log-prob of ``labels``, entropy)
     (or (batch, seq, 1) without entropy) computed over chunks of positions, instead of the
@@ -201,9 +280,14 @@ class _ChunkedHead:
             self.hidden = hidden
         needs_grad = torch.is_grad_enabled() and (
             hidden.requires_grad or any(p.requires_grad for p in self.head.parameters()))
-        log_probs, entropy = _chunked_stats(hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1), self.inner,
-                                            self.want_entropy, self.temperature, self.step, owned=True,
-                                            needs_grad=needs_grad)
+        if needs_grad and _fusable(self.head, self.inner):
+            log_probs, entropy = _FusedHeadStats.apply(hidden.reshape(-1, hidden.shape[-1]), self.head.weight,
+                                                       self.head.bias, self.labels.reshape(-1), self.temperature,
+                                                       self.step, self.want_entropy)
+        else:
+            log_probs, entropy = _chunked_stats(hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1),
+                                                self.inner, self.want_entropy, self.temperature, self.step,
+                                                owned=True, needs_grad=needs_grad)
         packed = torch.stack([log_probs, entropy], -1) if self.want_entropy else log_probs.unsqueeze(-1)
         return packed.view(*self.labels.shape, packed.shape[-1])
 
