@@ -91,8 +91,12 @@ def test_cpu_threads_probe_keeps_the_faster_count_and_says_so(monkeypatch):
         torch.set_num_threads(2)
         assert choose_cpu_threads(None, measure=lambda t: {1: 0.04, 2: 0.025}[t])[0] == 2  # a quiet machine
         assert torch.get_num_threads() == 2
-        # the real probe runs and picks one of the two
+        # the real probe runs, picks one of the two, and leaves the global random stream as it was
+        torch.manual_seed(5)
+        expected = torch.rand(3)
+        torch.manual_seed(5)
         assert choose_cpu_threads(None)[0] in (1, 2)
+        assert torch.equal(torch.rand(3), expected)
     finally:
         torch.set_num_threads(before)
 

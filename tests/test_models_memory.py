@@ -156,6 +156,8 @@ def test_hooked_or_wrapped_heads_keep_the_checkpointed_path():
     handle = head.register_forward_hook(lambda *a: None)
     assert not logprobs_mod._fusable(head, head.forward)
     handle.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits: the checkpointed path's upcasts apply
+        assert not logprobs_mod._fusable(head, head.forward)
     set_logits_fp32(model)  # an instance-level float32 forward
     assert not logprobs_mod._fusable(head, head.forward)
 
@@ -526,7 +528,7 @@ def counted(*args, **kwargs):
 lp.checkpoint = counted
 fused_plain = lp._FusedHeadStats.apply
 
-def fused(hidden, weight, bias, labels, temperature, step, entropy):  # a plain head (DDP): its chunks
+def fused(hidden, weight, bias, labels, temperature, step, entropy):  # a plain float head: its chunks
     calls[0] += -(-hidden.shape[0] // step)
     return fused_plain(hidden, weight, bias, labels, temperature, step, entropy)
 
@@ -540,8 +542,7 @@ runpy.run_path({script!r}, run_name="__main__")
 @pytest.mark.slow
 def test_distributed_gradients_with_chunked_logits(tmp_path):
     """tests/distributed_grad_check.py (DDP and FSDP2, 2 ranks, every loss and normalisation) with
-    3-position logits blocks: every micro-batch's head runs chunked (fused under DDP, checkpointed under
-    FSDP2, whose head holds sharded weights)."""
+    3-position logits blocks: every micro-batch's head runs chunked."""
     from tests.test_algorithms_distributed import torchrun
 
     from grpolab.models import load_model_and_tokenizer

@@ -355,3 +355,12 @@ def test_large_vocabularies_draw_by_inverse_cdf_from_the_exact_distribution():
     small = torch.tensor([[0.0, 1.0, 0.0]])  # small vocabularies keep torch.multinomial's draws
     assert torch.equal(_draw(small, torch.Generator().manual_seed(1)),
                        torch.multinomial(small, 1, generator=torch.Generator().manual_seed(1)).squeeze(-1))
+
+
+def test_inverse_cdf_draws_refuse_nan_probabilities_as_multinomial_does():
+    from grpolab.rollout.hf import INVERSE_CDF_MIN_VOCAB, _draw
+
+    probs = torch.ones(2, INVERSE_CDF_MIN_VOCAB)
+    probs[1, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="nan"):
+        _draw(probs, torch.Generator().manual_seed(0))

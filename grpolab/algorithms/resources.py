@@ -132,7 +132,8 @@ def _probe_seconds(threads: int, repeats: int = 3, calls: int = 30) -> float:
     import time
 
     torch.set_num_threads(threads)
-    x, w = torch.randn(64, 576), torch.randn(1536, 576)
+    g = torch.Generator().manual_seed(0)  # not the global generator: a seeded run draws the same with or without a probe
+    x, w = torch.randn(64, 576, generator=g), torch.randn(1536, 576, generator=g)
     for _ in range(3):  # the thread pool started and warm
         torch.nn.functional.linear(x, w)
     best = float("inf")
@@ -150,7 +151,9 @@ def choose_cpu_threads(threads: int | None, measure=_probe_seconds) -> tuple[int
     is. Otherwise a probe of ~0.1 s times 1 thread against every core and keeps the faster: OpenMP
     threads spin while they wait, so on a machine where other processes hold cores, all cores can be
     several times slower than one (measured on 2 cores with one busy: a SmolLM2 decode step 719 ms
-    with 2 threads, 313 ms with 1; quiet: 206 ms with 2)."""
+    with 2 threads, 313 ms with 1; quiet: 206 ms with 2). The probed count follows the load, so two
+    runs of one config may use different counts (float results differ in the last bits): set
+    ``threads`` for bit-identical reruns and resumes (``deterministic: true`` does not probe)."""
     if threads is not None:
         torch.set_num_threads(threads)
         return threads, None

@@ -165,7 +165,7 @@ class Run:
             self._find_checkpoint(cfg)
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = distributed.device_for(resolve_device(cfg.device))
-        if self.device.type == "cpu" and not self.dist.enabled:
+        if self.device.type == "cpu" and (cfg.threads or not self.dist.enabled):  # torchrun: no probe per rank
             _, line = choose_cpu_threads(cfg.threads if cfg.threads or not cfg.deterministic else torch.get_num_threads())
             if line and self.is_main:
                 print(f"grpolab: {line}", file=sys.stderr)

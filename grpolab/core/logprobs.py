@@ -233,14 +233,15 @@ class _FusedHeadStats(torch.autograd.Function):
 
 def _fusable(head, inner) -> bool:
     """A plain ``nn.Linear`` head called through its own forward (no float32 wrapper, no hooks, no
-    autocast), with ordinary (not sharded or partitioned) float32/float64 weights. Anything else (the
-    float32 head under bf16, FSDP2's DTensors, ZeRO-3's partitions, a hooked head) takes the
-    checkpointed path, whose recomputation goes through the head's own forward."""
+    autocast on the head's device), with ordinary float32/float64 weights: also FSDP2's, which are
+    plain unsharded tensors during the forward and stay so until its backward. Anything else (the
+    float32 head under bf16, ZeRO-3's partitions, a hooked head) takes the checkpointed path, whose
+    recomputation goes through the head's own forward."""
     if type(head) is not torch.nn.Linear or getattr(inner, "__func__", None) is not torch.nn.Linear.forward:
         return False
-    if head._forward_hooks or head._forward_pre_hooks or torch.is_autocast_enabled():
-        return False
     weight = head.weight
+    if head._forward_hooks or head._forward_pre_hooks or torch.is_autocast_enabled(weight.device.type):
+        return False
     return type(weight) is torch.nn.Parameter and type(weight.data) is torch.Tensor and \
         weight.dtype in (torch.float32, torch.float64) and not hasattr(weight, "ds_id")
 

@@ -95,6 +95,9 @@ def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
     if probs.shape[-1] < INVERSE_CDF_MIN_VOCAB:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     cdf = probs.double().cumsum_(-1)
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # as torch.multinomial refuses them
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0, or sums to 0")
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
     # the first entry whose cumulative mass exceeds u: never a zero-probability token
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
