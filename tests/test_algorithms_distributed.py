@@ -49,6 +49,21 @@ def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProce
     return out
 
 
+def json_rows(text: str) -> list[dict]:
+    """Every JSON object printed in ``text``. Two ranks print at once, so one rank's line can be glued
+    to the other's ('{...}{...}'): each object is read wherever it starts, not line by line."""
+    decoder, rows, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{", i)) != -1:
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i += 1
+            continue
+        if isinstance(obj, dict):
+            rows.append(obj)
+    return rows
+
+
 def weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -57,7 +72,7 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def test_gradient_two_ranks_equals_one_for_every_normalisation_and_loss():
     out = torchrun(["tests/distributed_grad_check.py"])
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = json_rows(out.stdout)
     from grpolab.core import LENGTH_NORMALIZATIONS, policy_loss_names
     from tests.distributed_grad_check import ADVANTAGE_CASES
 

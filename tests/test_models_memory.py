@@ -543,7 +543,7 @@ runpy.run_path({script!r}, run_name="__main__")
 def test_distributed_gradients_with_chunked_logits(tmp_path):
     """tests/distributed_grad_check.py (DDP and FSDP2, 2 ranks, every loss and normalisation) with
     3-position logits blocks: every micro-batch's head runs chunked."""
-    from tests.test_algorithms_distributed import torchrun
+    from tests.test_algorithms_distributed import json_rows, torchrun
 
     from grpolab.models import load_model_and_tokenizer
 
@@ -552,7 +552,7 @@ def test_distributed_gradients_with_chunked_logits(tmp_path):
     script.write_text(CHUNKED_GRAD_CHECK.format(chunk_bytes=4 * vocab * 3,
                                                 script=str(ROOT / "tests" / "distributed_grad_check.py")))
     out = torchrun([str(script)], timeout=400)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = json_rows(out.stdout)
     assert rows
     for row in rows:
         assert row["scale"] > 1e-3 and row["max_abs_diff"] <= 1e-6, row

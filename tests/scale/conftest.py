@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_algorithms_distributed import torchrun
+from tests.test_algorithms_distributed import json_rows, torchrun
 
 
 def has_deepspeed() -> bool:
@@ -36,5 +36,5 @@ def trainer_runs(tmp_path_factory):
     runs = [r for r in RUNS if has_deepspeed() or not r.endswith("/deepspeed")] + ["grpo/fsdp2"]
     out = tmp_path_factory.mktemp("trainers")
     done = torchrun(["tests/scale/trainers_under_torchrun.py", str(out), "--gradients", *runs], timeout=900)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = json_rows(done.stdout)
     return {"gradients": [r for r in rows if "case" in r], "runs": {r["run"]: Path(r["run_dir"]) for r in rows if "run" in r}}

@@ -21,7 +21,7 @@ import torch
 
 from tests.scale.conftest import need
 from tests.scale.trainers_under_torchrun import SETTINGS, STRATEGIES, config, trainers
-from tests.test_algorithms_distributed import ROOT, _env, _port
+from tests.test_algorithms_distributed import ROOT, _env, _port, json_rows
 
 LR = SETTINGS["sft"]["learning_rate"]
 
@@ -120,7 +120,7 @@ def test_two_nodes_end_with_the_weights_of_one_node(trainer_runs, tmp_path):
                 os.killpg(p.pid, signal.SIGKILL)
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for stdout, _ in results for line in stdout.splitlines() if line.startswith("{")]
+    rows = [row for stdout, _ in results for row in json_rows(stdout)]
     placement = sorted((r["group_rank"], r["local_world_size"], r["world_size"]) for r in rows if "rank" in r)
     assert placement == [(0, 1, 2), (1, 1, 2)]  # two nodes of one process each, one world of two
     two = hf_weights(out / "grpo_fsdp2" / "final")
