@@ -110,6 +110,9 @@ def test_cpu_threads_given_or_set_in_the_environment_are_not_probed(monkeypatch)
     before = torch.get_num_threads()
     try:
         assert choose_cpu_threads(1, measure=never) == (1, None) and torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert choose_cpu_threads(None, probe=False, measure=never) == (2, None)  # deterministic / torchrun
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         torch.set_num_threads(2)
         assert choose_cpu_threads(None, measure=never) == (2, None)

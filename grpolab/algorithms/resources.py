@@ -145,10 +145,10 @@ def _probe_seconds(threads: int, repeats: int = 3, calls: int = 30) -> float:
     return best
 
 
-def choose_cpu_threads(threads: int | None, measure=_probe_seconds) -> tuple[int, str | None]:
+def choose_cpu_threads(threads: int | None, probe: bool = True, measure=_probe_seconds) -> tuple[int, str | None]:
     """The torch thread count for a CPU run, and the line that says how it was chosen (None when
     nothing was chosen here). ``threads`` given: that. ``OMP_NUM_THREADS`` set: torch's count as it
-    is. Otherwise a probe of ~0.1 s times 1 thread against every core and keeps the faster: OpenMP
+    is; so with ``probe`` false (deterministic runs, torchrun ranks). Otherwise a probe of ~0.1 s times 1 thread against every core and keeps the faster: OpenMP
     threads spin while they wait, so on a machine where other processes hold cores, all cores can be
     several times slower than one (measured on 2 cores with one busy: a SmolLM2 decode step 719 ms
     with 2 threads, 313 ms with 1; quiet: 206 ms with 2). The probed count follows the load, so two
@@ -158,7 +158,7 @@ def choose_cpu_threads(threads: int | None, measure=_probe_seconds) -> tuple[int
         torch.set_num_threads(threads)
         return threads, None
     every = torch.get_num_threads()
-    if os.environ.get("OMP_NUM_THREADS") or every <= 1:
+    if not probe or os.environ.get("OMP_NUM_THREADS") or every <= 1:
         return every, None
     timings = {t: measure(t) for t in (1, every)}
     chosen = min(timings, key=lambda t: timings[t])

@@ -165,9 +165,9 @@ class Run:
             self._find_checkpoint(cfg)
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = distributed.device_for(resolve_device(cfg.device))
-        if self.device.type == "cpu" and (cfg.threads or not self.dist.enabled):  # torchrun: no probe per rank
-            _, line = choose_cpu_threads(cfg.threads if cfg.threads or not cfg.deterministic else torch.get_num_threads())
-            if line and self.is_main:
+        if self.device.type == "cpu":  # no probe per torchrun rank, nor in a deterministic run
+            _, line = choose_cpu_threads(cfg.threads, probe=not (cfg.deterministic or self.dist.enabled))
+            if line:
                 print(f"grpolab: {line}", file=sys.stderr)
         gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
         if self.resumed_from is not None:
