@@ -5,16 +5,18 @@ On the embedded arithmetic task (the demo's settings):
 1. SFT warm start on demonstrations of which half end in a wrong answer (the demo's ``sft`` phase);
 2. ``grpolab rm``: a reward model — the SFT model with a value head — trained with Bradley–Terry on
    preference pairs written from the task (``pairs.jsonl``): a correct worked solution preferred to
-   a wrong one of the same question, half with the right steps and a wrong final answer, half with
-   one step off and the error carried to a consistent answer (``negatives``: with ``answer`` alone
-   the RM only learns to check the answer against the last step, which GRPO then games); its
-   pairwise accuracy on held-out test pairs;
-3. GRPO against the reward model alone: the reward is the RM's score (batch-normalised); the
-   task's verifier is in the weighted list with weight 0, so it is logged beside it
-   (``train/reward_verifier``) but never trained on, and validation accuracy is the verifier's;
+   the same steps with a wrong final answer (``negatives``: ``step`` adds pairs whose rejected
+   solution has one step off, carried to a consistent answer — which this RM does not learn in
+   minutes); its pairwise accuracy on held-out test pairs;
+3. GRPO against the reward model alone, with a KL penalty to the SFT policy (``kl_coef``, 0.5: the
+   InstructGPT recipe against over-optimisation; without it the policy games the RM within 25
+   steps): the reward is the RM's score (batch-normalised); the task's verifier is in the weighted
+   list with weight 0, so it is logged beside it (``train/reward_verifier``) but never trained on,
+   and validation accuracy is the verifier's;
 4. held-out test accuracy (the verifier's) before and after, and what the run's figures say about
-   reward hacking: the RM's score against the verifier's on the same rollouts, response length, and
-   the health checks' messages.
+   reward hacking: the RM's score against the verifier's on the same rollouts, response length, how
+   often the RM ranks a right answer above a wrong one of the same group
+   (``health/reward_answer_agreement``), and the health checks' messages.
 
 Everything is written under ``run_dir`` (``sft/``, ``rm/``, ``grpo/``, ``summary.json``).
 """
@@ -44,6 +46,7 @@ from .rollout import SamplingParams, make_backend
 # the RM: Bradley-Terry on task pairs, from the SFT model's backbone
 CHAIN_RM = dict(n_rm_steps=300, learning_rate=1e-3, train_batch_size=32, task_train_size=3000, eval_pairs=200,
                 eval_every=50, warmup_steps=20, lr_schedule="cosine")
+CHAIN_KL_COEF = 0.5  # GRPO's KL penalty to the SFT policy (k3, as a loss term)
 
 
 def rm_reward(rm_dir: str | Path, normalize: str = "batch") -> list[dict]:
@@ -66,7 +69,7 @@ def write_pairs(path: Path, task, template, split: str, n: int, negatives: tuple
 def run_rm_chain(run_dir: Path, seed: int = 0, sft_steps: int | None = None, rm_steps: int | None = None,
                  grpo_steps: int | None = None, test_examples: int = TEST_EXAMPLES, show_progress: bool = True,
                  sft_overrides: dict | None = None, rm_overrides: dict | None = None,
-                 grpo_overrides: dict | None = None, negatives: tuple[str, ...] = ("answer", "step"),
+                 grpo_overrides: dict | None = None, negatives: tuple[str, ...] = ("answer",),
                  sft_dir: str | None = None) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,12 +114,13 @@ def run_rm_chain(run_dir: Path, seed: int = 0, sft_steps: int | None = None, rm_
     before = test_eval()
     t = time.perf_counter()
     grpo = GRPOConfig(**{**DEMO_GRPO, **common, "run_dir": str(run_dir / "grpo"), "reward": rm_reward(rm_result.final_dir),
+                         "kl_coef": CHAIN_KL_COEF,
                          **({"n_grpo_steps": grpo_steps} if grpo_steps else {}), **(grpo_overrides or {})})
     grpo_result = train_grpo(grpo, model=model, tokenizer=tok, overwrite=True)
     wall["grpo_s"] = time.perf_counter() - t
     after = test_eval()
 
-    summary = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": len(test),
+    summary = {"task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": len(test), "kl_coef": grpo.kl_coef,
                "negatives": list(negatives), "rm_validation": {"before": rm_result.before, "after": rm_result.after},
                "rm_test": rm_test, "rm_test_by_kind": rm_test_by_kind,
                "before": before, "after": after, "hacking": hacking_figures(grpo_result.metrics_path),
@@ -131,12 +135,14 @@ def hacking_figures(metrics_path: Path, window: int = 10) -> dict:
     rows = [r for r in read_metrics(metrics_path) if "train/reward_rm_raw" in r]
     evals = [(r["grpo_step"], r["eval/accuracy"]) for r in read_metrics(metrics_path) if "eval/accuracy" in r]
 
-    def mean(part, key):
-        return sum(r[key] for r in part) / max(1, len(part))
-
     first, last = rows[:window], rows[-window:]
     keys = {"rm_raw": "train/reward_rm_raw", "verifier": "train/reward_verifier", "length": "train/response_length",
-            "format": "train/format_reward"}
+            "format": "train/format_reward", "agreement": "health/reward_answer_agreement"}
+
+    def mean(part, key):
+        part = [r[key] for r in part if key in r]  # agreement: only steps with a (right, wrong) pair
+        return sum(part) / max(1, len(part))
+
     return {"first": {k: mean(first, v) for k, v in keys.items()}, "last": {k: mean(last, v) for k, v in keys.items()},
             "validation_accuracy": evals}
 
@@ -149,13 +155,15 @@ def main() -> None:
     parser.add_argument("--rm-steps", type=int)
     parser.add_argument("--grpo-steps", type=int)
     parser.add_argument("--test-examples", type=int, default=TEST_EXAMPLES)
-    parser.add_argument("--negatives", default="answer,step", help="wrong kinds of the rejected solutions")
+    parser.add_argument("--negatives", default="answer", help="wrong kinds of the rejected solutions (answer, step)")
+    parser.add_argument("--kl-coef", type=float, default=CHAIN_KL_COEF, help="GRPO's KL penalty to the SFT policy")
     parser.add_argument("--sft-dir", help="start from this SFT model instead of training the warm start")
     parser.add_argument("--rm-lr", type=float, help=f"the RM's learning rate (default {CHAIN_RM['learning_rate']})")
     args = parser.parse_args()
     summary = run_rm_chain(Path(args.run_dir), args.seed, args.sft_steps, args.rm_steps, args.grpo_steps,
                            args.test_examples, negatives=tuple(args.negatives.split(",")), sft_dir=args.sft_dir,
-                           rm_overrides={"learning_rate": args.rm_lr} if args.rm_lr else None)
+                           rm_overrides={"learning_rate": args.rm_lr} if args.rm_lr else None,
+                           grpo_overrides={"kl_coef": args.kl_coef})
     print(json.dumps(summary, indent=2))
 
 

@@ -134,3 +134,34 @@ def test_rollout_health_figures():
     none_checked = rollout_health(raw, 2, ["stop"] * 6, fmt, ans, sampler, trainer, torch.zeros(6, 3, dtype=torch.bool))
     assert "logprob_mismatch" not in none_checked and none_checked["logprob_mismatch_tokens"] == 0
     assert HealthMonitor(window=1).update({k: v for k, v in HEALTHY.items() if k != "logprob_mismatch"}) == []
+
+
+def test_reward_answer_agreement_counts_right_over_wrong_pairs_within_groups():
+    from grpolab.algorithms.health import reward_answer_agreement
+    ans = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # group size 4: (R W W R) (R W W W)
+    # the answer check itself as the reward: every right answer above every wrong one
+    assert reward_answer_agreement(ans, ans, 4) == {"reward_answer_agreement": 1.0, "reward_answer_pairs": 4 + 3}
+    # a reward that prefers wrong answers in group 1 and ties in group 2
+    raw = torch.tensor([0.1, 0.9, 0.2, 0.3, 0.5, 0.5, 0.5, 0.5])
+    # group 1 pairs (right i, wrong j): (0,1) no, (0,2) no, (3,1) no, (3,2) yes -> 1 of 4; group 2: three ties -> 1.5
+    assert reward_answer_agreement(raw, ans, 4)["reward_answer_agreement"] == pytest.approx((1 + 1.5) / 7)
+    # pairs never cross groups: right answers only in one group, wrong only in the other -> no pair, no figure
+    assert reward_answer_agreement(raw, torch.tensor([1.0] * 4 + [0.0] * 4), 4) == {}
+    h = rollout_health(raw, 4, ["stop"] * 8, torch.ones(8), ans, torch.zeros(8, 1), torch.zeros(8, 1),
+                       torch.ones(8, 1, dtype=torch.bool))
+    assert h["reward_answer_agreement"] == pytest.approx(2.5 / 7) and h["reward_answer_pairs"] == 7
+
+
+def test_a_reward_that_prefers_wrong_answers_is_reported_as_possible_hacking():
+    monitor = HealthMonitor(window=3)
+    hacked = [figures(reward_answer_agreement=0.3)] * 3
+    messages = run_steps(monitor, hacked)
+    assert messages[:2] == [[], []] and len(messages[2]) == 1
+    assert "wrong answer above a right one in 70%" in messages[2][0] and "kl_coef" in messages[2][0]
+    # an agreeing reward, a streak broken by one agreeing step, or no (right, wrong) pair: nothing
+    assert run_steps(HealthMonitor(window=3), [figures(reward_answer_agreement=0.8)] * 5) == [[]] * 5
+    broken = [figures(reward_answer_agreement=a) for a in (0.3, 0.3, 0.6, 0.3, 0.3)]
+    assert run_steps(HealthMonitor(window=3), broken) == [[]] * 5
+    assert run_steps(HealthMonitor(window=3), [figures()] * 5) == [[]] * 5
+    with pytest.raises(UnhealthyRunError, match="reward disagrees"):
+        run_steps(HealthMonitor(window=1, stop_on_unhealthy=("reward_disagreement",)), hacked)

@@ -3,7 +3,9 @@
 Every step the trainer reports: the fraction of groups whose rewards are all equal (they give
 zero advantage, so zero gradient), the truncation rate, the format-failure rate apart from the
 wrong-answer rate, reward-function errors, and the mean |sampler log-prob - trainer log-prob| on
-the sampled tokens. ``HealthMonitor.update`` returns a one-paragraph diagnosis, once per problem,
+the sampled tokens, and how often the trained reward ranks a right answer above a wrong one of the
+same group (``reward_answer_agreement``: 1.0 when the reward is the answer check itself; a learned
+reward model being gamed falls to chance or below). ``HealthMonitor.update`` returns a one-paragraph diagnosis, once per problem,
 when a condition holds for ``window`` consecutive steps (errors and mismatch at once). With tools,
 ``tool_errors_per_rollout`` (``tools/errors_per_rollout`` works too) at or above
 ``tool_error_threshold`` for ``window`` steps says the tools keep failing.
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 
-PROBLEMS = ("zero_variance", "truncation", "format", "reward_errors", "tool_errors", "logprob_mismatch")
+PROBLEMS = ("zero_variance", "truncation", "format", "reward_errors", "tool_errors", "logprob_mismatch",
+            "reward_disagreement")
 
 
 class UnhealthyRunError(RuntimeError):
@@ -29,6 +32,7 @@ class HealthMonitor:
     truncation_threshold: float = 0.5
     logprob_mismatch_threshold: float = 0.05
     tool_error_threshold: float = 0.5
+    agreement_threshold: float = 0.5  # below: the reward prefers wrong answers to right ones more often than not
     stop_on_unhealthy: bool | tuple[str, ...] = False  # True: any problem stops the run; names: only those
     _streaks: dict[str, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
@@ -78,6 +82,15 @@ class HealthMonitor:
                 f"Sampler and trainer disagree on the sampled tokens' log-probs (mean |diff| "
                 f"{m['logprob_mismatch']:.3f} nats): the importance ratios are off. Use the same dtype for rollout "
                 "and training, and make sure the sampled token ids are what is trained on.")))
+        agreement = m.get("reward_answer_agreement")
+        disagreeing = agreement is not None and agreement < self.agreement_threshold
+        if self._streak("reward_disagreement", disagreeing) >= self.window:
+            found.append(("reward_disagreement", (
+                f"The reward disagrees with the task's answer check: within groups it ranked a wrong answer above a "
+                f"right one in {1 - agreement:.0%} of (right, wrong) pairs (ties count half) for {self.window} steps. "
+                "This is what a learned reward being exploited looks like (reward hacking: the reward rises while "
+                "answer accuracy falls). Add a KL penalty to the reference (kl_coef), train fewer steps, or retrain "
+                "the reward model on the policy's own samples; watch eval/accuracy.")))
         messages, stopping = [], []
         for name, text in found:
             if name not in self.reported:
@@ -102,9 +115,10 @@ def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: l
                    answer_rewards: torch.Tensor, sampler_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
                    checked: torch.Tensor) -> dict[str, float]:
     """A rollout batch's health figures: the share of zero-variance groups, the truncation rate,
-    the format-failure and wrong-answer rates, and the mean |sampler - trainer| log-prob on the
-    sampled tokens whose trainer log-prob is known (``checked``, (batch, seq)) with their count;
-    the mean is absent when no token was measured."""
+    the format-failure and wrong-answer rates, the mean |sampler - trainer| log-prob on the
+    sampled tokens whose trainer log-prob is known (``checked``, (batch, seq)) with their count
+    (the mean is absent when no token was measured), and the reward's agreement with the answer
+    check (absent when no group has both a right answer, ``answer_rewards >= 1``, and a wrong one)."""
     grouped = raw_rewards.view(-1, group_size)
     mismatch = (sampler_log_probs - trainer_log_probs).abs()[checked]
     out = {
@@ -117,4 +131,18 @@ def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: l
     if mismatch.numel():  # nothing measured (no row trained, no old log-probs) is no figure, not a perfect 0.0
         out["logprob_mismatch"] = float(mismatch.mean())
         out["logprob_mismatch_max"] = float(mismatch.max())  # the worst token (max over ranks too)
+    out.update(reward_answer_agreement(raw_rewards, answer_rewards, group_size))
     return out
+
+
+def reward_answer_agreement(raw_rewards: torch.Tensor, answer_rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Over every (right, wrong) pair of responses to the same prompt: the share the trained reward
+    ranks right above wrong (a tie counts half), and the number of pairs; nothing without a pair."""
+    raw = raw_rewards.view(-1, group_size).double()
+    right = (answer_rewards >= 1.0).view(-1, group_size)
+    pairs = right.unsqueeze(2) & ~right.unsqueeze(1)  # [g, i, j]: i right, j wrong
+    if not pairs.any():
+        return {}
+    diff = raw.unsqueeze(2) - raw.unsqueeze(1)
+    score = (diff > 0).double() + 0.5 * (diff == 0).double()
+    return {"reward_answer_agreement": float(score[pairs].mean()), "reward_answer_pairs": int(pairs.sum())}
