@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from .algorithms.checkpoints import atomic_write_text, save_final
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.health import UnhealthyRunError
@@ -54,11 +56,11 @@ def _table(before: dict, after: dict) -> str:
 
 
 def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_steps: int | None = None,
-             test_examples: int | None = None, show_progress: bool = True) -> dict:
+             test_examples: int | None = None, show_progress: bool = True, dtype: str = "float32") -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress)
+    common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress, dtype=dtype)
 
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer("embedded:tiny", seed=seed)
@@ -97,7 +99,8 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
         stopped = no_signal_line("questions", before["accuracy"], f"--sft-steps {2 * SFT['n_sft_steps']}")
         print(stopped)
         timings.update(grpo_s=time.perf_counter() - t, total_s=time.perf_counter() - start)
-        return _write_summary(run_dir, model, tokenizer, None, before, before, timings, seed, len(test), stopped=stopped)
+        return _write_summary(run_dir, model, tokenizer, None, before, before, timings, seed, len(test), dtype,
+                              stopped=stopped)
     timings["grpo_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -106,11 +109,11 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
 
-    return _write_summary(run_dir, model, tokenizer, grpo_result, before, after, timings, seed, len(test))
+    return _write_summary(run_dir, model, tokenizer, grpo_result, before, after, timings, seed, len(test), dtype)
 
 
 def _write_summary(run_dir: Path, model, tokenizer, grpo_result, before: dict, after: dict, timings: dict, seed: int,
-                   n_test: int, stopped: str | None = None) -> dict:
+                   n_test: int, dtype: str, stopped: str | None = None) -> dict:
     """Save the final model and plot, write ``summary.json`` and print the table. ``stopped``: the
     line saying why GRPO stopped without a signal (then there is no GRPO result)."""
     final = save_final(model, tokenizer, run_dir / "final")
@@ -119,6 +122,7 @@ def _write_summary(run_dir: Path, model, tokenizer, grpo_result, before: dict, a
                          "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
     summary = {"grpo_stopped": stopped,
         "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": n_test,
+        "torch_threads": torch.get_num_threads(), "dtype": dtype,
         "before": before, "after": after,
         "accuracy_gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
         "wall_seconds": {k: round(v, 1) for k, v in timings.items()},

@@ -119,7 +119,7 @@ def _table(before: dict, after: dict) -> str:
 
 def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = None, grpo_steps: int | None = None,
                    test_examples: int | None = None, train_examples: int | None = None, size: str = "tiny",
-                   log=print, show_progress: bool = True) -> dict:
+                   log=print, show_progress: bool = True, dtype: str = "float32") -> dict:
     """The whole demo (module docstring); returns the summary written to ``summary.json``."""
     run_dir, start, timings = Path(run_dir), time.perf_counter(), {}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,7 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
     train = task.examples("train", sft["task_train_size"])
     test = task.examples("test", test_examples or TOOLS_TEST_EXAMPLES)
     common = dict(task="retrieval", task_options=TOOLS_TASK_OPTIONS, env=env_options, seed=seed, device="cpu",
-                  show_progress=show_progress)
+                  show_progress=show_progress, dtype=dtype)
     sft_cfg = SFTConfig(**sft, **common, run_dir=str(run_dir / "sft"))
     grpo = {**TOOLS_GRPO, "n_grpo_steps": grpo_steps or TOOLS_GRPO["n_grpo_steps"], "health_window": NO_SIGNAL_STEPS,
             "stop_on_unhealthy": ["zero_variance"]}
@@ -179,7 +179,8 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
         timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
     summary = {"task": "retrieval", "task_options": TOOLS_TASK_OPTIONS, "env": TOOLS_ENV, "sft": sft, "grpo": grpo,
-               "seed": seed, "size": size, "test_examples": len(test), "sft_final_nll": nll, "before": before,
+               "seed": seed, "size": size, "dtype": dtype, "torch_threads": torch.get_num_threads(),
+               "test_examples": len(test), "sft_final_nll": nll, "before": before,
                "after": after, "grpo_history": history, "grpo_stopped": stopped,
                "sft_steps_run": sft_steps_run,
                "tool_accuracy_gain_points": round(100 * (after["tools"]["accuracy"] - before["tools"]["accuracy"]), 1),

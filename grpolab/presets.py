@@ -46,3 +46,22 @@ VARIANTS = {
     "reinforce_pp": dict(advantage_estimator="reinforce_plus_plus", group_baseline=True,
                          length_normalization="masked_normalize"),
 }
+
+# grpolab compare --variants: the demo's warm start (400 SFT steps; 200 left every variant inside the
+# seed spread) and 60 steps of 128 sampled responses — the demo's first 50 steps gain ~27 points, and
+# six variants x three seeds of 60 steps fit in 20 minutes on 2 cores
+VARIANTS_WARM_STEPS = DEMO_SFT["n_sft_steps"]
+VARIANTS_STEPS = 60
+
+# grpolab compare --variants --model DIR: a local chat model on the CPU, with the settings of
+# configs/real/smollm2_135m_grpo_arithmetic.yaml (two-digit addition in words, the last number of
+# the reply as the answer), no warm start, and a budget of a few steps (each ~10-20 s for 135M)
+REAL_VARIANTS_GRPO = dict(task="arithmetic", task_options={"digits": 2, "num_ops": 1, "ops": "+", "phrasing": "words"},
+                          prompt_template="chat",
+                          system_prompt="You are a calculator. Reply with only the result. Example: What is 12 + 30? 42",
+                          reward="question_only", learning_rate=2e-5, rollout_batch_size=32, group_size=8,
+                          train_batch_size=32, gradient_accumulation_steps=2, epochs_per_rollout_batch=1,
+                          loss_type="reinforce_with_baseline", kl_coef=0.0, warmup_steps=0, sampling_temperature=0.7,
+                          eval_temperature=0.7, sampling_min_tokens=1, sampling_max_tokens=24, stop=["\n"],
+                          skip_zero_advantage=True, checkpoint_every=0)
+REAL_VARIANTS_STEPS = 4

@@ -1,12 +1,18 @@
 """``grpolab compare --variants a,b,c --seeds N``: GRPO variants side by side, fairly.
 
-For each seed: one SFT warm start on the demo's imperfect demonstrations; then every variant
-(``presets.VARIANTS``: CS336 GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++) continues from
-a copy of it with the same sample budget — ``steps x 128`` sampled responses, counting every
-response drawn, including those of groups dynamic sampling drops — and is evaluated on the same
-held-out test questions. ``report.md``, ``report.json`` and ``report.png`` give, per variant, the
-final accuracy (mean ± std over seeds), accuracy against samples consumed and against wall time
-(mean with a min-max band over seeds), tokens trained, and groups dropped.
+For each seed: one SFT warm start on the demo's imperfect demonstrations (the demo's 400 steps);
+then every variant (``presets.VARIANTS``: CS336 GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO,
+REINFORCE++) continues from a copy of it with the same sample budget — ``steps x 128`` sampled
+responses (60 steps by default), counting every response drawn, including those of groups dynamic
+sampling drops — and is evaluated on the same held-out test questions. ``report.md``,
+``report.json`` and ``report.png`` give, per variant: the final accuracy (mean ± std over seeds);
+its gain over the warm start and its difference from ``grpo``, both paired by seed and marked
+where the mean exceeds the seed-to-seed spread of that difference; validation accuracy at equal
+wall time; the area under accuracy against samples; accuracy against samples consumed and against
+wall time (mean with a min-max band over seeds), tokens trained, and groups dropped.
+
+``model``: a local chat model instead (``presets.REAL_VARIANTS_GRPO``: two-digit addition in words,
+the model's chat template, no warm start), for a short CPU budget.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ from .algorithms.checkpoints import atomic_write_text
 from .algorithms.grpo import GRPOConfig, train_grpo
 from .algorithms.metrics import read_metrics
 from .algorithms.sft import SFTConfig, train_sft
-from .algorithms.inputs import prompt_template_for
-from .data import get_task
+from .algorithms.inputs import task_or_file
 from .eval import evaluate
 from .models import load_model_and_tokenizer
-from .presets import DEMO_GRPO, DEMO_SFT, ROLLOUTS_PER_STEP, TASK, TASK_OPTIONS, VARIANTS
+from .presets import (DEMO_GRPO, DEMO_SFT, REAL_VARIANTS_GRPO, ROLLOUTS_PER_STEP, TASK, TASK_OPTIONS, VARIANTS,
+                      VARIANTS_STEPS, VARIANTS_WARM_STEPS)
 from .rollout import SamplingParams, make_backend
 
 
@@ -38,15 +44,21 @@ def parse_variants(text: str) -> list[str]:
 
 
 def variant_config(name: str, run_dir: Path, steps: int, seed: int, show_progress: bool,
-                   eval_examples: int = 100, overrides: dict | None = None) -> GRPOConfig:
-    """The demo's GRPO run with the variant's fields, stopped after ``steps x rollout_batch_size``
-    (128) sampled responses. ``overrides`` (e.g. a smaller batch for a quick check) apply to every variant."""
-    overrides = overrides or {}
-    budget = steps * overrides.get("rollout_batch_size", ROLLOUTS_PER_STEP)
-    fields = {**DEMO_GRPO, **VARIANTS[name], **overrides, "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "device": "cpu",
-              "show_progress": show_progress, "run_dir": str(run_dir), "max_rollout_samples": budget,
-              "n_grpo_steps": steps * VARIANTS[name].get("max_sampling_rounds", 1), "eval_every": max(1, steps // 5),
-              "eval_examples": eval_examples, "log_generations_samples": 0}
+                   eval_examples: int = 100, overrides: dict | None = None, base: dict | None = None) -> GRPOConfig:
+    """``base`` (the demo's GRPO run on the embedded task by default) with the variant's fields, stopped
+    after ``steps x rollout_batch_size`` sampled responses. ``overrides`` (e.g. a smaller batch for a
+    quick check) apply to every variant. Where the rollout batch is not the presets' 128, a variant's
+    own ``train_batch_size`` is scaled with it (the same optimizer steps per rollout batch)."""
+    base = {**DEMO_GRPO, "task": TASK, "task_options": TASK_OPTIONS, **(base or {})}
+    fields = {**base, **VARIANTS[name]}
+    if "train_batch_size" in VARIANTS[name] and base["rollout_batch_size"] != ROLLOUTS_PER_STEP:
+        fields["train_batch_size"] = VARIANTS[name]["train_batch_size"] * base["rollout_batch_size"] // ROLLOUTS_PER_STEP
+        fields["gradient_accumulation_steps"] = 1
+    fields.update(overrides or {})
+    fields.update({"seed": seed, "device": "cpu", "show_progress": show_progress, "run_dir": str(run_dir),
+                   "max_rollout_samples": steps * fields["rollout_batch_size"],
+                   "n_grpo_steps": steps * VARIANTS[name].get("max_sampling_rounds", 1),
+                   "eval_every": max(1, steps // 5), "eval_examples": eval_examples, "log_generations_samples": 0})
     return GRPOConfig(**fields)
 
 
@@ -62,64 +74,132 @@ def _curves(metrics_path: Path) -> dict[str, list]:
     return {"samples": samples, "wall": wall, "tokens_trained": tokens, "groups_dropped": dropped}
 
 
-def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int = 40, warm_steps: int = 200,
-                 test_examples: int = 200, show_progress: bool = True, overrides: dict | None = None) -> dict:
+def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int = VARIANTS_STEPS,
+                 warm_steps: int = VARIANTS_WARM_STEPS, test_examples: int = 200, show_progress: bool = True,
+                 overrides: dict | None = None, model: str | None = None, data: str | None = None) -> dict:
+    """Per seed one warm start (``warm_steps`` of the demo's SFT; 0: none), then every variant from
+    a copy of it. ``model``: a local chat model with ``REAL_VARIANTS_GRPO``'s settings instead of the
+    embedded model on the demo's task; ``data``: a reasoning-gym dataset (``rg:NAME``, its own
+    ``score_answer`` as the reward) instead of the arithmetic task."""
+    if model is not None and warm_steps:
+        raise ValueError("--warm-steps applies to the embedded model; --model starts from the model as it is")
+    if data is not None and not data.startswith("rg:"):
+        raise ValueError(f"--data with --variants takes a reasoning-gym dataset (rg:NAME), got {data!r}")
+    if data is not None and warm_steps:
+        raise ValueError("reasoning-gym items have no worked solutions to warm up on: use --warm-steps 0")
     run_dir = Path(run_dir)
-    task = get_task(TASK, seed=0, **TASK_OPTIONS)
-    test, template = task.examples("test", test_examples), prompt_template_for(task, None)  # the embedded model's
-    sampling = SamplingParams(temperature=1.0, max_tokens=DEMO_GRPO["sampling_max_tokens"], min_tokens=1,
-                              stop=["</answer>"], seed=12345)
-    per_step = (overrides or {}).get("rollout_batch_size", ROLLOUTS_PER_STEP)
+    base = {**REAL_VARIANTS_GRPO, "model": model} if model is not None else {}
+    if data is not None:
+        base = {**base, "task": data, "task_options": {}, "reward": None, "system_prompt": None}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     warm_accuracy: list[float] = []
     for seed in range(seeds):
-        base, tok = load_model_and_tokenizer("embedded:tiny", seed=seed)
-        warm = SFTConfig(**{**DEMO_SFT, "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "device": "cpu",
-                            "show_progress": show_progress, "n_sft_steps": warm_steps, "eval_examples": 1,
-                            "log_generations_samples": 0, "sampling_max_tokens": DEMO_GRPO["sampling_max_tokens"],
-                            "run_dir": str(run_dir / f"seed{seed}" / "warm_start")})
-        print(f"[seed {seed}] warm start: SFT {warm_steps} steps")
-        train_sft(warm, model=base, tokenizer=tok, overwrite=True)
-        warm_accuracy.append(evaluate(make_backend("hf", base, tok), test, template, task.reward_fn, sampling).metrics["accuracy"])
+        start, tok = load_model_and_tokenizer(model or "embedded:tiny", seed=seed)
+        cfg0 = variant_config(variants[0], run_dir, steps, seed, False, overrides=overrides, base=base)
+        test, template, reward = task_or_file(f"task:{cfg0.task}", test_examples, prompt_template=cfg0.prompt_template,
+                                              reward=cfg0.reward, task_options=cfg0.task_options, tokenizer=tok,
+                                              system_prompt=cfg0.system_prompt)
+        sampling = SamplingParams(temperature=cfg0.eval_temperature, max_tokens=cfg0.sampling_max_tokens, min_tokens=1,
+                                  stop=cfg0.stop, seed=12345)
+
+        def test_accuracy(m) -> float:
+            return evaluate(make_backend("hf", m, tok), test, template, reward, sampling).metrics["accuracy"]
+
+        if warm_steps:
+            warm = SFTConfig(**{**DEMO_SFT, "task": TASK, "task_options": TASK_OPTIONS, "seed": seed,
+                                "device": "cpu", "show_progress": show_progress, "n_sft_steps": warm_steps,
+                                "eval_examples": 1, "log_generations_samples": 0,
+                                "sampling_max_tokens": cfg0.sampling_max_tokens,
+                                "run_dir": str(run_dir / f"seed{seed}" / "warm_start")})
+            print(f"[seed {seed}] warm start: SFT {warm_steps} steps")
+            train_sft(warm, model=start, tokenizer=tok, overwrite=True)
+        warm_accuracy.append(test_accuracy(start))
         for name in variants:
-            print(f"[seed {seed}] {name}: {steps * per_step} sampled responses")
-            model, t = copy.deepcopy(base), time.perf_counter()
-            cfg = variant_config(name, run_dir / f"seed{seed}" / name, steps, seed, show_progress, min(100, test_examples),
-                                 overrides)
-            result = train_grpo(cfg, model=model, tokenizer=tok, overwrite=True)
+            cfg = variant_config(name, run_dir / f"seed{seed}" / name, steps, seed, show_progress,
+                                 min(100, test_examples), overrides, base)
+            print(f"[seed {seed}] {name}: {cfg.max_rollout_samples} sampled responses")
+            trained, t = copy.deepcopy(start), time.perf_counter()
+            result = train_grpo(cfg, model=trained, tokenizer=tok, overwrite=True)
             wall = time.perf_counter() - t
-            accuracy = evaluate(make_backend("hf", model, tok), test, template, task.reward_fn, sampling).metrics["accuracy"]
-            runs[name].append({"seed": seed, "accuracy": accuracy, "wall_s": round(wall, 1), **_curves(result.metrics_path)})
-    report = summarize(runs, seeds, steps * per_step, len(test))
-    report["warm_start_accuracy"] = warm_accuracy
+            runs[name].append({"seed": seed, "accuracy": test_accuracy(trained), "wall_s": round(wall, 1),
+                               **_curves(result.metrics_path)})
+            del trained
+    report = summarize(runs, seeds, cfg0.max_rollout_samples, len(test), warm_accuracy)
+    report.update({"model": model or "embedded:tiny", "task": cfg0.task, "task_options": cfg0.task_options,
+                   "warm_steps": warm_steps, "steps": steps})
     write_report(run_dir, report)
     return report
 
 
-def summarize(runs: dict[str, list[dict]], seeds: int, budget: int, n_test: int) -> dict:
+def paired(a: list[float], b: list[float]) -> dict:
+    """``a - b`` seed by seed (the same warm start): the mean, its standard deviation over seeds, and
+    whether the mean is larger than that spread (never with one seed: there is no spread to beat)."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    std = statistics.stdev(d) if len(d) > 1 else 0.0
+    mean = statistics.fmean(d)
+    return {"mean": mean, "std": std, "per_seed": d, "beyond_spread": len(d) > 1 and abs(mean) > std}
+
+
+def curve_area(curve: list[tuple[float, float]]) -> float:
+    """Area under accuracy against samples, over the samples' range: the mean accuracy during the run
+    (trapezoids; one point: its accuracy)."""
+    if len(curve) == 1 or curve[-1][0] == curve[0][0]:
+        return curve[-1][1]
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(curve, curve[1:]))
+    return area / (curve[-1][0] - curve[0][0])
+
+
+def accuracy_at(curve: list[tuple[float, float]], t: float) -> float:
+    """The last validation accuracy measured at or before wall time ``t`` (the first one if none was)."""
+    return ([y for x, y in curve if x <= t] or [curve[0][1]])[-1]
+
+
+def summarize(runs: dict[str, list[dict]], seeds: int, budget: int, n_test: int,
+              warm_accuracy: list[float] | None = None) -> dict:
+    baseline = "grpo" if "grpo" in runs else next(iter(runs))
+    # equal wall time: where the variant that finished its budget soonest (mean over seeds) stopped
+    equal_wall = min(statistics.fmean(r["wall"][-1][0] for r in per_seed) for per_seed in runs.values())
     table = {}
     for name, per_seed in runs.items():
         acc = [r["accuracy"] for r in per_seed]
         table[name] = {"accuracy_mean": statistics.fmean(acc), "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                       "vs_baseline": paired(acc, [r["accuracy"] for r in runs[baseline]]),
+                       "accuracy_at_equal_wall": statistics.fmean(accuracy_at(r["wall"], equal_wall) for r in per_seed),
+                       "curve_area": statistics.fmean(curve_area(r["samples"]) for r in per_seed),
                        "wall_s_mean": statistics.fmean(r["wall_s"] for r in per_seed),
                        "tokens_trained_mean": statistics.fmean(r["tokens_trained"] for r in per_seed),
                        "groups_dropped_mean": statistics.fmean(r["groups_dropped"] for r in per_seed)}
-    return {"task": TASK, "task_options": TASK_OPTIONS, "seeds": seeds, "sample_budget": budget,
-            "test_questions": n_test, "variants": table, "runs": runs}
+        if warm_accuracy:
+            table[name]["gain_over_warm_start"] = paired(acc, warm_accuracy)
+    return {"seeds": seeds, "sample_budget": budget, "test_questions": n_test, "baseline": baseline,
+            "equal_wall_s": equal_wall, "variants": table, "runs": runs, "warm_start_accuracy": warm_accuracy or []}
+
+
+def _difference(p: dict) -> str:
+    return f"{p['mean'] * 100:+.1f} ± {p['std'] * 100:.1f}{' *' if p['beyond_spread'] else ''}"
 
 
 def format_report(report: dict) -> str:
-    lines = [f"# grpolab compare --variants — {report['task']}, {report['seeds']} seeds", "",
-             f"Each seed: one SFT warm start; every variant continues from it with a budget of {report['sample_budget']} "
-             f"sampled responses; final accuracy on {report['test_questions']} held-out questions (1 sample each, T = 1).",
-             "", "| variant | final accuracy (mean ± std) | wall time (s) | tokens trained | groups dropped |",
-             "|---|---|---|---|---|"]
+    base = report["baseline"]
+    lines = [f"# grpolab compare --variants — {report['task']} ({report['model']}), {report['seeds']} seeds", "",
+             f"Each seed: one warm start ({report['warm_steps']} SFT steps); every variant continues from it with a "
+             f"budget of {report['sample_budget']} sampled responses; final accuracy on {report['test_questions']} "
+             "held-out questions (1 sample each). Differences are paired by seed (the same warm start), in points: "
+             "mean ± std over seeds, * where the mean exceeds that spread. Accuracy at equal wall time: validation "
+             f"accuracy at {report['equal_wall_s']:.0f} s, when the fastest variant had spent its budget; area: mean "
+             "validation accuracy over the run (area under accuracy against samples).", "",
+             f"| variant | final accuracy (mean ± std) | gain over warm start (points) | vs {base} (points) | "
+             f"accuracy at {report['equal_wall_s']:.0f} s | area | wall time (s) | tokens trained | groups dropped |",
+             "|---|---|---|---|---|---|---|---|---|"]
     warm = report.get("warm_start_accuracy") or []
     if warm:
         std = statistics.stdev(warm) if len(warm) > 1 else 0.0
-        lines.append(f"| (SFT warm start) | {statistics.fmean(warm):.1%} ± {std:.1%} | | | |")
+        lines.append(f"| (warm start) | {statistics.fmean(warm):.1%} ± {std:.1%} | | | | | | | |")
     for name, r in report["variants"].items():
-        lines.append(f"| {name} | {r['accuracy_mean']:.1%} ± {r['accuracy_std']:.1%} | {r['wall_s_mean']:.0f} | "
+        gain = _difference(r["gain_over_warm_start"]) if "gain_over_warm_start" in r else ""
+        versus = "—" if name == base else _difference(r["vs_baseline"])
+        lines.append(f"| {name} | {r['accuracy_mean']:.1%} ± {r['accuracy_std']:.1%} | {gain} | {versus} | "
+                     f"{r['accuracy_at_equal_wall']:.1%} | {r['curve_area']:.1%} | {r['wall_s_mean']:.0f} | "
                      f"{r['tokens_trained_mean']:,.0f} | {r['groups_dropped_mean']:.0f} |")
     return "\n".join(lines) + "\n"
 

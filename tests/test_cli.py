@@ -73,6 +73,12 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
         # a reward model that is not a model directory: refused by the config, before anything loads
         "rm_not_a_model": grpolab("grpo", "--reward", f"{{model: {tmp / 'no_rm'}}}", "--device", "cpu",
                                   "--run-dir", tmp / "rm_run"),
+        # compare --variants on a model directory that does not exist, and --data without --variants
+        "variants_bad_model": grpolab("compare", "--variants", "grpo", "--model", tmp / "no_such_model",
+                                      "--run-dir", tmp / "variants_run"),
+        "compare_data_without_variants": grpolab("compare", "--data", "rg:basic_arithmetic", "--run-dir",
+                                                 tmp / "compare_run"),
+        "demo_dtype": grpolab("demo", "--dtype", "float16", "--run-dir", tmp / "demo_run"),
     }
 
 
@@ -142,6 +148,19 @@ def test_a_reward_model_that_is_not_a_directory_is_refused_in_one_line(refused):
     results, tmp = refused
     assert_one_line_error(results["rm_not_a_model"], "reward.model", "no config.json")
     assert not (tmp / "rm_run").exists()
+
+
+def test_compare_model_and_data_are_refused_in_one_line_where_they_cannot_apply(refused):
+    results, tmp = refused
+    assert_one_line_error(results["variants_bad_model"], "model directory not found", "no_such_model")
+    assert_one_line_error(results["compare_data_without_variants"], "--model and --data apply to --variants")
+    assert not (tmp / "variants_run").exists() and not (tmp / "compare_run").exists()
+
+
+def test_a_demo_dtype_other_than_float32_or_bfloat16_is_refused_in_one_line(refused):
+    results, tmp = refused
+    assert_one_line_error(results["demo_dtype"], "--dtype must be float32 or bfloat16", "float16")
+    assert not (tmp / "demo_run").exists()
 
 
 def test_eval_n_0_is_refused_in_one_line(refused):

@@ -57,6 +57,16 @@ def test_demo_writes_summary_plot_metrics_and_final_model(tmp_path):
     AutoTokenizer.from_pretrained(final)
 
 
+def test_demo_trains_both_phases_in_the_dtype_asked_for(tmp_path):
+    import yaml
+
+    summary = run_demo(tmp_path / "demo", seed=0, sft_steps=2, grpo_steps=1, test_examples=4, show_progress=False,
+                       dtype="bfloat16")
+    assert summary["dtype"] == "bfloat16" and summary["torch_threads"] >= 1
+    for phase in ("sft", "grpo"):
+        assert yaml.safe_load((tmp_path / "demo" / phase / "config.yaml").read_text())["dtype"] == "bfloat16"
+
+
 def test_demo_without_a_learning_signal_stops_grpo_and_says_what_to_try(tmp_path, capsys):
     """A one-step warm start solves nothing: GRPO stops after NO_SIGNAL_STEPS all-zero steps (not
     its whole budget) with one line naming the cause and what to try; the weights are the SFT
