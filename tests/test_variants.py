@@ -110,3 +110,8 @@ def test_variants_on_a_reasoning_gym_dataset_score_with_its_own_answer_check(tmp
                                 ("rg:basic_arithmetic", 3, "no worked solutions")):
         with pytest.raises(ValueError, match=message):
             run_variants(tmp_path / "x", ["grpo"], seeds=1, steps=1, warm_steps=warm, data=data)
+
+
+def test_the_real_model_settings_are_those_of_the_real_model_config_file():
+    on_disk = yaml.safe_load((ROOT / "configs" / "real" / "smollm2_135m_grpo_arithmetic.yaml").read_text())
+    assert {k: on_disk[k] for k in REAL_VARIANTS_GRPO} == REAL_VARIANTS_GRPO
