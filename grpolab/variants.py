@@ -181,7 +181,8 @@ def _difference(p: dict) -> str:
 
 def format_report(report: dict) -> str:
     base = report["baseline"]
-    lines = [f"# grpolab compare --variants — {report['task']} ({report['model']}), {report['seeds']} seeds", "",
+    seeds = f"{report['seeds']} seed{'s' if report['seeds'] != 1 else ''}"
+    lines = [f"# grpolab compare --variants — {report['task']} ({report['model']}), {seeds}", "",
              f"Each seed: one warm start ({report['warm_steps']} SFT steps); every variant continues from it with a "
              f"budget of {report['sample_budget']} sampled responses; final accuracy on {report['test_questions']} "
              "held-out questions (1 sample each). Differences are paired by seed (the same warm start), in points: "
