@@ -327,6 +327,8 @@ def compare(
     try:
         if steps is not None and steps < 1:
             raise ValueError(f"--steps must be at least 1, got {steps}")
+        if test_examples is not None and test_examples < 1:
+            raise ValueError(f"--test-examples must be at least 1, got {test_examples}")
         if variants is not None:
             from .models.loading import model_directory
             from .presets import REAL_VARIANTS_STEPS, VARIANTS_STEPS, VARIANTS_WARM_STEPS

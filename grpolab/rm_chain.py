@@ -141,7 +141,7 @@ def hacking_figures(metrics_path: Path, window: int = 10) -> dict:
 
     def mean(part, key):
         part = [r[key] for r in part if key in r]  # agreement: only steps with a (right, wrong) pair
-        return sum(part) / max(1, len(part))
+        return sum(part) / len(part) if part else None
 
     return {"first": {k: mean(first, v) for k, v in keys.items()}, "last": {k: mean(last, v) for k, v in keys.items()},
             "validation_accuracy": evals}

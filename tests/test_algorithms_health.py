@@ -163,5 +163,9 @@ def test_a_reward_that_prefers_wrong_answers_is_reported_as_possible_hacking():
     broken = [figures(reward_answer_agreement=a) for a in (0.3, 0.3, 0.6, 0.3, 0.3)]
     assert run_steps(HealthMonitor(window=3), broken) == [[]] * 5
     assert run_steps(HealthMonitor(window=3), [figures()] * 5) == [[]] * 5
+    # a step with no (right, wrong) pair (every answer wrong: where hacking ends) neither breaks nor extends the streak
+    gap = [figures(reward_answer_agreement=0.3), figures(reward_answer_agreement=0.3), figures(),
+           figures(reward_answer_agreement=0.3)]
+    assert [len(m) for m in run_steps(HealthMonitor(window=3), gap)] == [0, 0, 0, 1]
     with pytest.raises(UnhealthyRunError, match="reward disagrees"):
         run_steps(HealthMonitor(window=1, stop_on_unhealthy=("reward_disagreement",)), hacked)

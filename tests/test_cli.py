@@ -79,6 +79,8 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
         "compare_data_without_variants": grpolab("compare", "--data", "rg:basic_arithmetic", "--run-dir",
                                                  tmp / "compare_run"),
         "demo_dtype": grpolab("demo", "--dtype", "float16", "--run-dir", tmp / "demo_run"),
+        "variants_no_tests": grpolab("compare", "--variants", "grpo", "--test-examples", "0", "--run-dir",
+                                     tmp / "variants_run"),
     }
 
 
@@ -154,6 +156,7 @@ def test_compare_model_and_data_are_refused_in_one_line_where_they_cannot_apply(
     results, tmp = refused
     assert_one_line_error(results["variants_bad_model"], "model directory not found", "no_such_model")
     assert_one_line_error(results["compare_data_without_variants"], "--model and --data apply to --variants")
+    assert_one_line_error(results["variants_no_tests"], "--test-examples must be at least 1")
     assert not (tmp / "variants_run").exists() and not (tmp / "compare_run").exists()
 
 

@@ -190,6 +190,8 @@ def test_grpo_and_ppo_train_on_a_reward_models_score(rm_dir, grpo_config, tmp_pa
     rows = [r for r in read_metrics(grpo.metrics_path) if "train/reward" in r]
     assert rows and "train/reward_rm_raw" in rows[0] and rows[0]["health/reward_errors"] == 0
     assert "eval/accuracy" in read_metrics(grpo.metrics_path)[-1]  # validation: the task's verifier
+    # a reward model alone has no answer check to be compared with: no agreement figure (never a vacuous 1.0)
+    assert "health/reward_answer_agreement" not in rows[0]
     ppo = train_ppo(PPOConfig(reward=reward, n_ppo_steps=1, rollout_batch_size=8, group_size=4, train_batch_size=8,
                               gradient_accumulation_steps=1, sampling_max_tokens=6, sampling_min_tokens=1,
                               eval_examples=2, task_train_size=8, device="cpu", show_progress=False,

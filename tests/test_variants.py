@@ -86,7 +86,11 @@ def test_curve_area_and_accuracy_at_a_wall_time():
 def test_variants_on_a_local_chat_model_use_its_chat_template_and_scale_the_batches(tmp_path):
     cfg = variant_config("dapo", tmp_path / "d", steps=2, seed=0, show_progress=False, base=REAL_VARIANTS_GRPO)
     assert cfg.prompt_template == "chat" and cfg.rollout_batch_size == 32 and cfg.max_rollout_samples == 64
-    assert cfg.train_batch_size == 64 * 32 // 128  # DAPO's two optimizer steps per rollout batch, at 32 rollouts
+    assert cfg.train_batch_size == 16  # DAPO's two optimizer steps per rollout batch, at 32 rollouts
+    # the same when only an override changes the rollout batch; a train_batch_size override is kept as given
+    assert variant_config("dapo", tmp_path / "d", 2, 0, False, overrides={"rollout_batch_size": 64}).train_batch_size == 32
+    assert variant_config("dapo", tmp_path / "d", 2, 0, False,
+                          overrides={"rollout_batch_size": 64, "train_batch_size": 64}).train_batch_size == 64
     model = chat_model_dir(tmp_path / "chat")
     report = run_variants(tmp_path / "r", ["grpo", "rloo"], seeds=1, steps=1, warm_steps=0, test_examples=4,
                           show_progress=False, overrides=dict(sampling_max_tokens=4), model=str(model))
@@ -100,16 +104,18 @@ def test_variants_on_a_local_chat_model_use_its_chat_template_and_scale_the_batc
 
 def test_variants_on_a_reasoning_gym_dataset_score_with_its_own_answer_check(tmp_path):
     pytest.importorskip("reasoning_gym", reason="reasoning-gym is the gym extra (installed by the dev extras)")
+    model = chat_model_dir(tmp_path / "chat")
     report = run_variants(tmp_path, ["grpo"], seeds=1, steps=1, warm_steps=0, test_examples=4, show_progress=False,
                           overrides=dict(rollout_batch_size=8, group_size=4, train_batch_size=8, sampling_max_tokens=8),
-                          data="rg:basic_arithmetic")
+                          data="rg:basic_arithmetic", model=str(model))
     assert report["task"] == "rg:basic_arithmetic" and report["sample_budget"] == 8
     on_disk = yaml.safe_load((tmp_path / "seed0" / "grpo" / "config.yaml").read_text())
     assert on_disk["task"] == "rg:basic_arithmetic" and on_disk["reward"] is None  # the dataset's own score_answer
-    for data, warm, message in (("task:arithmetic", 0, "takes a reasoning-gym dataset"),
-                                ("rg:basic_arithmetic", 3, "no worked solutions")):
+    for data, warm, chat, message in (("task:arithmetic", 0, str(model), "takes a reasoning-gym dataset"),
+                                      ("rg:basic_arithmetic", 3, None, "no worked solutions"),
+                                      ("rg:basic_arithmetic", 0, None, "needs --model DIR")):
         with pytest.raises(ValueError, match=message):
-            run_variants(tmp_path / "x", ["grpo"], seeds=1, steps=1, warm_steps=warm, data=data)
+            run_variants(tmp_path / "x", ["grpo"], seeds=1, steps=1, warm_steps=warm, data=data, model=chat)
 
 
 def test_the_real_model_settings_are_those_of_the_real_model_config_file():

@@ -83,8 +83,11 @@ class HealthMonitor:
                 f"{m['logprob_mismatch']:.3f} nats): the importance ratios are off. Use the same dtype for rollout "
                 "and training, and make sure the sampled token ids are what is trained on.")))
         agreement = m.get("reward_answer_agreement")
-        disagreeing = agreement is not None and agreement < self.agreement_threshold
-        if self._streak("reward_disagreement", disagreeing) >= self.window:
+        if agreement is None:  # no (right, wrong) pair this step (e.g. every answer wrong): the streak stands
+            streak = self._streaks.get("reward_disagreement", 0)
+        else:
+            streak = self._streak("reward_disagreement", agreement < self.agreement_threshold)
+        if streak >= self.window and agreement is not None:
             found.append(("reward_disagreement", (
                 f"The reward disagrees with the task's answer check: within groups it ranked a wrong answer above a "
                 f"right one in {1 - agreement:.0%} of (right, wrong) pairs (ties count half) for {self.window} steps. "
