@@ -132,8 +132,9 @@ def run_rm_chain(run_dir: Path, seed: int = 0, sft_steps: int | None = None, rm_
 def hacking_figures(metrics_path: Path, window: int = 10) -> dict:
     """The RM's score and the verifier's on the same training rollouts, and the response length,
     over the first and the last ``window`` GRPO steps; validation accuracy (verifier) per evaluation."""
-    rows = [r for r in read_metrics(metrics_path) if "train/reward_rm_raw" in r]
-    evals = [(r["grpo_step"], r["eval/accuracy"]) for r in read_metrics(metrics_path) if "eval/accuracy" in r]
+    records = read_metrics(metrics_path)
+    rows = [r for r in records if "train/reward_rm_raw" in r]
+    evals = [(r["grpo_step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
 
     first, last = rows[:window], rows[-window:]
     keys = {"rm_raw": "train/reward_rm_raw", "verifier": "train/reward_verifier", "length": "train/response_length",

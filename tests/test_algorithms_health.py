@@ -150,6 +150,10 @@ def test_reward_answer_agreement_counts_right_over_wrong_pairs_within_groups():
     h = rollout_health(raw, 4, ["stop"] * 8, torch.ones(8), ans, torch.zeros(8, 1), torch.zeros(8, 1),
                        torch.ones(8, 1, dtype=torch.bool))
     assert h["reward_answer_agreement"] == pytest.approx(2.5 / 7) and h["reward_answer_pairs"] == 7
+    # answer rewards that are the reward itself (no answer check of their own): no figure
+    unjudged = rollout_health(raw, 4, ["stop"] * 8, torch.ones(8), ans, torch.zeros(8, 1), torch.zeros(8, 1),
+                              torch.ones(8, 1, dtype=torch.bool), answer_checked=False)
+    assert "reward_answer_agreement" not in unjudged and "reward_answer_pairs" not in unjudged
 
 
 def test_a_reward_that_prefers_wrong_answers_is_reported_as_possible_hacking():

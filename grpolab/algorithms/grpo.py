@@ -292,10 +292,8 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update: Update, group
     measured = torch.ones_like(update.trained) if every_row else update.trained
     health = rollout_health(raw, group_size, [r.finish_reason for r in rollouts], fmt, ans, batch.sampler_log_probs,
                             batch.pre_update_log_probs if every_row else update.trainer_lp,
-                            batch.response_mask & measured.unsqueeze(1))
-    if not all("answer_reward" in s for s in scores):  # no answer check of its own (e.g. a reward model alone):
-        health.pop("reward_answer_agreement", None)  # the reward compared with itself would always agree
-        health.pop("reward_answer_pairs", None)
+                            batch.response_mask & measured.unsqueeze(1),
+                            answer_checked=all("answer_reward" in s for s in scores))  # not a reward model alone
     m = {
         "train/reward": float(raw.mean()), "train/reward_std": float(raw.std()) if len(raw) > 1 else 0.0,
         "train/format_reward": float(fmt.mean()), "train/answer_reward": float(ans.mean()),

@@ -116,12 +116,13 @@ class HealthMonitor:
 
 def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: list[str], format_rewards: torch.Tensor,
                    answer_rewards: torch.Tensor, sampler_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
-                   checked: torch.Tensor) -> dict[str, float]:
+                   checked: torch.Tensor, answer_checked: bool = True) -> dict[str, float]:
     """A rollout batch's health figures: the share of zero-variance groups, the truncation rate,
     the format-failure and wrong-answer rates, the mean |sampler - trainer| log-prob on the
     sampled tokens whose trainer log-prob is known (``checked``, (batch, seq)) with their count
     (the mean is absent when no token was measured), and the reward's agreement with the answer
-    check (absent when no group has both a right answer, ``answer_rewards >= 1``, and a wrong one)."""
+    check (absent when no group has both a right answer, ``answer_rewards >= 1``, and a wrong one, or
+    when ``answer_checked`` is false: the answer rewards are the reward itself, which always agrees)."""
     grouped = raw_rewards.view(-1, group_size)
     mismatch = (sampler_log_probs - trainer_log_probs).abs()[checked]
     out = {
@@ -134,7 +135,8 @@ def rollout_health(raw_rewards: torch.Tensor, group_size: int, finish_reasons: l
     if mismatch.numel():  # nothing measured (no row trained, no old log-probs) is no figure, not a perfect 0.0
         out["logprob_mismatch"] = float(mismatch.mean())
         out["logprob_mismatch_max"] = float(mismatch.max())  # the worst token (max over ranks too)
-    out.update(reward_answer_agreement(raw_rewards, answer_rewards, group_size))
+    if answer_checked:
+        out.update(reward_answer_agreement(raw_rewards, answer_rewards, group_size))
     return out
 
 
