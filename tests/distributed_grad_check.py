@@ -176,6 +176,9 @@ def trainer_gradients(dist, strategies=("ddp", "fsdp2", "deepspeed")) -> None:
             if dist.is_main:
                 print(json.dumps({"case": f"{case}/{strategy}", "max_abs_diff": diff, "scale": scale}), flush=True)
     distributed._CURRENT = dist
+    # leave the group before the interpreter exits: a gloo group torn down by exit alone can abort one rank
+    # ("terminate called without an active exception") after every figure is printed
+    distributed.teardown()
 
 
 if __name__ == "__main__":
