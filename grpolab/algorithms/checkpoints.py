@@ -241,7 +241,7 @@ def check_sharded_files(path: Path, state: dict) -> None:
 
 
 def _check_dcp(directory: Path) -> None:
-    from .distributed import SafeUnpickler
+    from .safe_checkpoint import SafeUnpickler
 
     meta = directory / ".metadata"
     if not meta.is_file():
@@ -262,7 +262,7 @@ def _check_dcp(directory: Path) -> None:
 
 
 def _check_deepspeed(directory: Path, world_size: int) -> None:
-    from .distributed import safe_torch_load
+    from .safe_checkpoint import safe_torch_load
 
     if not directory.is_dir():
         raise FileNotFoundError(f"no DeepSpeed state ({directory.parent.name}/{directory.name}/)")
