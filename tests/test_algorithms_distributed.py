@@ -174,6 +174,39 @@ def test_bad_combinations_are_one_line_config_errors():
         assert "\n" not in str(err.value)
 
 
+ONE_RANK_FAILS = """
+import sys
+from grpolab.algorithms import distributed
+from grpolab.algorithms.grpo import GRPOConfig
+from grpolab.algorithms.run import Run
+
+cfg = GRPOConfig(distributed="ddp", device="cpu", run_dir=sys.argv[1], show_progress=False, task_train_size=8)
+with Run(cfg) as run:
+    if run.is_main:  # e.g. a full disk under rank 0's checkpoint: this rank fails alone
+        raise SystemExit("rank 0 fails alone")
+    distributed.all_gather_objects(1)  # the other rank waits in a training collective rank 0 never joins
+"""
+
+
+def test_a_rank_failing_alone_ends_the_job_instead_of_waiting_for_the_others(tmp_path):
+    """The failing rank leaves its group without a barrier and exits; torchrun then stops the rank
+    still waiting in its collective. With a barrier on the way out the two ranks would wait in two
+    different collectives until gloo's 30-minute timeout (and this test's 180 s)."""
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    cmd = [*TORCHRUN, "--master_port", str(_port()), str(script), str(tmp_path / "run")]
+    with open(tmp_path / "stderr", "w") as log:  # a file, not a pipe: a hung rank would hold a pipe open
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun's agent stops its ranks on SIGTERM (SIGKILL would orphan them)
+            proc.wait(timeout=120)
+            raise AssertionError("a rank failing alone left the job waiting (stopped after 180 s)") from None
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode != 0 and "rank 0 fails alone" in err, err[-2000:]
+
+
 def test_distributed_none_under_torchrun_is_refused(tmp_path):
     cmd = [*TORCHRUN, "--master_port", str(_port()), *RUN, "--run-dir", str(tmp_path / "r")]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

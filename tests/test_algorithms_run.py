@@ -502,3 +502,24 @@ def test_ctrl_c_checkpoints_the_step_and_hints_resume_a_second_ctrl_c_stops_at_o
     assert (once / "final" / "model.safetensors").exists()
     assert sorted(r["train_step"] for r in records(once) if "train_step" in r) == list(range(12))
     assert_no_duplicate_steps(once)
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_a_group_of_one_leaves_no_torchrun_variables_behind(monkeypatch):
+    """One process asking for an engine makes a gloo group of one on a free port; leaving it unsets
+    the variables it set, so a later run in the process picks a new port instead of a stale one."""
+    import torch.distributed as tdist
+
+    from grpolab.algorithms import distributed
+
+    for key in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set by the user: kept
+    for _ in range(2):
+        d = distributed.setup("ddp", torch.device("cpu"))
+        assert d.enabled and d.owns_group and d.world_size == 1 and tdist.is_initialized()
+        distributed.teardown()
+        assert not tdist.is_initialized() and not distributed.current().enabled
+        assert [k for k in TORCHRUN_VARIABLES if k in os.environ] == ["MASTER_ADDR"]

@@ -73,6 +73,7 @@ class Dist:
 
 
 _CURRENT = Dist()
+_ENV_SET: list[str] = []  # the torchrun variables setup() set for a group of one
 
 
 def current() -> Dist:
@@ -99,8 +100,9 @@ def setup(strategy: str, device: torch.device, *, deepspeed_config: str | None =
         _CURRENT = Dist()
         return _CURRENT
     if "RANK" not in os.environ:  # one process with an engine (tests, debugging): a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        _ENV_SET[:] = [k for k in single if k not in os.environ]  # unset again by teardown: no stale port later
+        os.environ.update(single)
     owns = not tdist.is_initialized()
     if owns:
         tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -110,12 +112,17 @@ def setup(strategy: str, device: torch.device, *, deepspeed_config: str | None =
     return _CURRENT
 
 
-def teardown() -> None:
-    """Leave the process group if this run created it; back to one process."""
+def teardown(barrier: bool = True) -> None:
+    """Leave the process group if this run created it; back to one process. ``barrier``: wait for
+    every rank first (a normal end); False when this rank is failing, perhaps alone."""
     global _CURRENT
     if _CURRENT.owns_group and tdist.is_initialized():
-        tdist.barrier()
+        if barrier:
+            tdist.barrier()
         tdist.destroy_process_group()
+        for key in _ENV_SET:
+            os.environ.pop(key, None)
+        _ENV_SET.clear()
     _CURRENT = Dist()
 
 

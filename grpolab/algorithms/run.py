@@ -112,18 +112,19 @@ class Run:
         self.wall = time.perf_counter()
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
+        self._lock, self._made_dir = None, False
         self.dist = distributed.setup(cfg.distributed, resolve_device(cfg.device), deepspeed_config=cfg.deepspeed_config,
                                       fsdp_cpu_offload=cfg.fsdp_cpu_offload)
         self.is_main = self.dist.is_main
-        check_distributed(cfg, self.dist)
-        check_run_dir(self.path, resume=True, overwrite=True)  # a writable directory (or place for one)
-        self._lock, self._made_dir = None, False
-        self._take_lock(resume, overwrite)  # one writer per run directory, before anything in it is touched
         try:
+            check_distributed(cfg, self.dist)
+            check_run_dir(self.path, resume=True, overwrite=True)  # a writable directory (or place for one)
+            self._take_lock(resume, overwrite)  # one writer per run directory, before anything in it is touched
             check_run_dir(self.path, resume, overwrite)  # again, now that no other process can write it
             self._start(cfg, resume, overwrite, model, tokenizer, check_inputs)
         except BaseException:
             self._drop_lock(started=False)
+            distributed.teardown(barrier=False)  # this rank may be the only one failing: never wait for the others
             raise
 
     def _take_lock(self, resume: bool, overwrite: bool) -> None:
@@ -397,20 +398,23 @@ class Run:
         return TrainResult(self.path, final, self.metrics_path, after, time.perf_counter() - self.wall,
                            before=before, **result)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End the run. ``failed``: an exception is leaving it, perhaps on this rank alone, so the
+        process group is left without a barrier: a rank waiting there for ranks that are waiting in
+        a training collective would hang until gloo's timeout instead of exiting for torchrun to see."""
         self.bar.close()
         self.logger.close()
         if self._old_sigint is not None:
             signal.signal(signal.SIGINT, self._old_sigint)
             self._old_sigint = None
-        distributed.teardown()
+        distributed.teardown(barrier=not failed)
         self._drop_lock()
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _yaml(data: dict) -> str:

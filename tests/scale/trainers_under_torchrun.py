@@ -72,6 +72,7 @@ def main(out: Path, runs: list[str]) -> None:
         trainers()[run.split("/")[0]][1](cfg)
         if tdist.get_rank() == 0:
             print(json.dumps({"run": run, "run_dir": cfg.run_dir}), flush=True)
+    tdist.barrier()  # no rank leaves (and exits) while another still saves or plots: an exit mid-use can abort it
     tdist.destroy_process_group()
 
 
