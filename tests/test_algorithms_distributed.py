@@ -42,10 +42,20 @@ def _env() -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 ARGS``; ``check``: assert it succeeded. Past ``timeout`` the
+    agent gets SIGTERM, which stops its ranks (a SIGKILL would orphan them, still holding the output
+    pipes, and the test would wait for them instead of failing), and the test fails saying so."""
     cmd = [*TORCHRUN, "--master_port", str(_port()), *args]
-    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}"
+    with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            _, stderr = proc.communicate(timeout=120)
+            raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s (stopped):\n{stderr[-3000:]}") from None
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert not check or out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}"
     return out
 
 
@@ -194,22 +204,12 @@ def test_a_rank_failing_alone_ends_the_job_instead_of_waiting_for_the_others(tmp
     different collectives until gloo's 30-minute timeout (and this test's 180 s)."""
     script = tmp_path / "one_rank_fails.py"
     script.write_text(ONE_RANK_FAILS)
-    cmd = [*TORCHRUN, "--master_port", str(_port()), str(script), str(tmp_path / "run")]
-    with open(tmp_path / "stderr", "w") as log:  # a file, not a pipe: a hung rank would hold a pipe open
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun's agent stops its ranks on SIGTERM (SIGKILL would orphan them)
-            proc.wait(timeout=120)
-            raise AssertionError("a rank failing alone left the job waiting (stopped after 180 s)") from None
-    err = (tmp_path / "stderr").read_text()
-    assert proc.returncode != 0 and "rank 0 fails alone" in err, err[-2000:]
+    out = torchrun([str(script), str(tmp_path / "run")], timeout=180, check=False)
+    assert out.returncode != 0 and "rank 0 fails alone" in out.stderr, out.stderr[-2000:]
 
 
 def test_distributed_none_under_torchrun_is_refused(tmp_path):
-    cmd = [*TORCHRUN, "--master_port", str(_port()), *RUN, "--run-dir", str(tmp_path / "r")]
-    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    out = torchrun([*RUN, "--run-dir", str(tmp_path / "r")], timeout=120, check=False)
     assert out.returncode != 0
     assert "distributed: none, but torchrun started 2 processes" in out.stderr
 
