@@ -5,8 +5,10 @@ normalisation and loss type (DDP and FSDP2), a 3-step run per strategy ending in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -57,6 +59,44 @@ def torchrun(args: list[str], timeout: float = 240, check: bool = True) -> subpr
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert not check or out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}"
     return out
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process under it (from /proc: parent pids)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job mid-run: the agent, its ranks and whatever they started (vLLM
+    engines). Torch elastic starts every rank in a session of its own, so killing the agent's process
+    group leaves the ranks training to the end of the run; the tree is stopped first (a stopped
+    process starts nothing), then killed whole."""
+    stopped: set[int] = set()
+    while new := _process_tree(proc.pid) - stopped:
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= new
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for pid in stopped - {proc.pid}:  # the ranks are the agent's children: gone once it is reaped
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def json_rows(text: str) -> list[dict]:
@@ -156,16 +196,16 @@ def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path, str
     torchrun([*args, "--run-dir", str(tmp_path / "whole")])
     killed = tmp_path / "killed"
     cmd = [*TORCHRUN, "--master_port", str(_port()), *args, "--run-dir", str(killed)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 180
-    while not (killed / "checkpoints" / "step_1" / "trainer_state.pt").exists() and time.time() < deadline:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker, deadline = killed / "checkpoints" / "step_1" / "trainer_state.pt", time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, mid-run
-    proc.wait()
+    kill_job(proc)  # torchrun and both ranks, mid-run
+    assert marker.exists(), "the run never wrote its first checkpoint (it failed, or did not start within 600 s)"
     assert not (killed / "final").exists(), "the run finished before it was killed"
     out = torchrun([*RUN[:2], "grpo", "--resume", str(killed)])
-    assert out.stderr.count("grpolab: resuming from ") == 1  # rank 0 says which checkpoint, once
+    resumed = re.findall(r"grpolab: resuming from .*step_(\d+)", out.stderr)
+    assert len(resumed) == 1 and int(resumed[0]) < 3, out.stderr[-2000:]  # rank 0 says which checkpoint, once
     a, b = weights(tmp_path / "whole" / "final"), weights(killed / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -11,8 +11,6 @@ process per "node", c10d rendezvous) against the one-node 2-process run: bit-ide
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -21,7 +19,7 @@ import torch
 
 from tests.scale.conftest import need
 from tests.scale.trainers_under_torchrun import SETTINGS, STRATEGIES, config, trainers
-from tests.test_algorithms_distributed import ROOT, _env, _port, json_rows
+from tests.test_algorithms_distributed import ROOT, _env, _port, json_rows, kill_job
 
 LR = SETTINGS["sft"]["learning_rate"]
 
@@ -110,14 +108,14 @@ def test_two_nodes_end_with_the_weights_of_one_node(trainer_runs, tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpolab-two-nodes",
          "tests/scale/trainers_under_torchrun.py", str(out), "grpo/fsdp2"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
     try:
         results = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_job(p)  # the agent and its rank (a rank runs in a session of its own)
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
     rows = [row for stdout, _ in results for row in json_rows(stdout)]
