@@ -161,7 +161,7 @@ def test_custom_tool_timeout_and_exceptions_become_error_observations():
 
 def test_unnamed_custom_tool_runs_in_a_thread_with_the_timeout():
     with pytest.warns(RuntimeWarning, match="runs in a thread"):
-        tool = CustomTool(lambda q: time.sleep(5) or "late" if q == "hang" else q.upper(), name="up", timeout_s=0.3)
+        tool = CustomTool(lambda q: time.sleep(5) or "late" if q == "hang" else q.upper(), name="up", timeout_s=1.0)
     outs = tool.run(["hang", "abc"])
     assert outs[0].error.startswith("timed out") and outs[1] == ToolOutput("ABC")  # cut at its timeout
     tool.close()
