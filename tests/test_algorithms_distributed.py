@@ -46,23 +46,23 @@ def _env() -> dict:
 
 def torchrun(args: list[str], timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node 2 ARGS``; ``check``: assert it succeeded. Past ``timeout`` the
-    agent gets SIGTERM, which stops its ranks (a SIGKILL would orphan them, still holding the output
-    pipes, and the test would wait for them instead of failing), and the test fails saying so."""
+    whole job is killed (``kill_job``: a SIGKILL of the agent alone would orphan its ranks, still
+    holding the output pipes, and the test would wait for them instead of failing) and the test fails."""
     cmd = [*TORCHRUN, "--master_port", str(_port()), *args]
     with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            _, stderr = proc.communicate(timeout=120)
-            raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s (stopped):\n{stderr[-3000:]}") from None
+            kill_job(proc)
+            _, stderr = proc.communicate()
+            raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s (killed):\n{stderr[-3000:]}") from None
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert not check or out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}"
     return out
 
 
-def _process_tree(root: int) -> set[int]:
-    """``root`` and every process under it (from /proc: parent pids)."""
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process under it, parents before children (from /proc: parent pids)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -70,33 +70,40 @@ def _process_tree(root: int) -> set[int]:
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
         children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
+    tree = [root]
+    for pid in tree:  # breadth first: the list grows as it is read
+        tree += children.get(pid, [])
     return tree
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    except (OSError, IndexError):
+        return True
 
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL a torchrun job mid-run: the agent, its ranks and whatever they started (vLLM
     engines). Torch elastic starts every rank in a session of its own, so killing the agent's process
-    group leaves the ranks training to the end of the run; the tree is stopped first (a stopped
-    process starts nothing), then killed whole."""
-    stopped: set[int] = set()
-    while new := _process_tree(proc.pid) - stopped:
+    group leaves the ranks training to the end of the run. The tree is stopped first, parents before
+    children (a stopped process starts nothing, and reaps nothing, so no pid in it is reused), then
+    killed whole."""
+    if proc.poll() is not None:  # ended by itself: its agent already stopped the ranks
+        return
+    stopped: list[int] = []
+    while new := [pid for pid in _process_tree(proc.pid) if pid not in stopped]:
         for pid in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        stopped |= new
+        stopped += new
     for pid in stopped:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    for pid in stopped - {proc.pid}:  # the ranks are the agent's children: gone once it is reaped
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    deadline = time.monotonic() + 30  # the ranks, reparented when the agent died, end within moments
+    while not all(_gone(pid) for pid in stopped[1:]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def json_rows(text: str) -> list[dict]:

@@ -507,19 +507,24 @@ def test_ctrl_c_checkpoints_the_step_and_hints_resume_a_second_ctrl_c_stops_at_o
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def test_a_group_of_one_leaves_no_torchrun_variables_behind(monkeypatch):
-    """One process asking for an engine makes a gloo group of one on a free port; leaving it unsets
-    the variables it set, so a later run in the process picks a new port instead of a stale one."""
+def test_a_group_of_one_leaves_the_torchrun_variables_as_it_found_them(monkeypatch):
+    """One process asking for an engine makes a gloo group of one on a free port; leaving it puts
+    the variables back (unset, or the user's), so a later run in the process picks a new port instead
+    of a stale one."""
     import torch.distributed as tdist
 
     from grpolab.algorithms import distributed
 
     for key in TORCHRUN_VARIABLES:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set by the user: kept
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # the user's: replaced for the group, then back
     for _ in range(2):
         d = distributed.setup("ddp", torch.device("cpu"))
         assert d.enabled and d.owns_group and d.world_size == 1 and tdist.is_initialized()
+        assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["RANK"] == "0"
         distributed.teardown()
         assert not tdist.is_initialized() and not distributed.current().enabled
-        assert [k for k in TORCHRUN_VARIABLES if k in os.environ] == ["MASTER_ADDR"]
+        assert {k: os.environ[k] for k in TORCHRUN_VARIABLES if k in os.environ} == {"MASTER_ADDR": "localhost"}
+    with pytest.raises(distributed.DistributedError, match="deepspeed_config nowhere.json"):
+        distributed.setup("deepspeed", torch.device("cpu"), deepspeed_config="nowhere.json")
+    assert not tdist.is_initialized() and [k for k in TORCHRUN_VARIABLES if k in os.environ] == ["MASTER_ADDR"]

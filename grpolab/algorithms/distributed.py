@@ -73,7 +73,7 @@ class Dist:
 
 
 _CURRENT = Dist()
-_ENV_SET: list[str] = []  # the torchrun variables setup() set for a group of one
+_ENV_BEFORE: dict[str, str | None] = {}  # the torchrun variables setup() replaced for a group of one
 
 
 def current() -> Dist:
@@ -99,14 +99,18 @@ def setup(strategy: str, device: torch.device, *, deepspeed_config: str | None =
                                    "ddp | fsdp2 | deepspeed (e.g. --distributed ddp)")
         _CURRENT = Dist()
         return _CURRENT
-    if "RANK" not in os.environ:  # one process with an engine (tests, debugging): a group of one
-        single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        _ENV_SET[:] = [k for k in single if k not in os.environ]  # unset again by teardown: no stale port later
-        os.environ.update(single)
-    owns = not tdist.is_initialized()
-    if owns:
-        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ds = _deepspeed_config(deepspeed_config) if strategy == "deepspeed" else {}
+    owns = not tdist.is_initialized()
+    if owns and "RANK" not in os.environ:  # one process with an engine (tests, debugging): a group of one
+        single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        _ENV_BEFORE.update({k: os.environ.get(k) for k in single})  # put back by teardown: no stale port later
+        os.environ.update(single)
+    if owns:
+        try:
+            tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        except BaseException:
+            _restore_env()
+            raise
     _CURRENT = Dist(strategy, tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns,
                     deepspeed_config=ds, fsdp_cpu_offload=fsdp_cpu_offload)
     return _CURRENT
@@ -120,10 +124,18 @@ def teardown(barrier: bool = True) -> None:
         if barrier:
             tdist.barrier()
         tdist.destroy_process_group()
-        for key in _ENV_SET:
-            os.environ.pop(key, None)
-        _ENV_SET.clear()
+        _restore_env()
     _CURRENT = Dist()
+
+
+def _restore_env() -> None:
+    """The torchrun variables as they were before ``setup`` made a group of one."""
+    for key, value in _ENV_BEFORE.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _ENV_BEFORE.clear()
 
 
 def _deepspeed_config(path: str | None) -> dict:

@@ -93,11 +93,12 @@ def test_sigkill_and_resume_with_an_engine_per_rank_ends_bit_identical(fsdp2_run
     cmd = [*TORCHRUN, "--master_port", str(_port()), *RUN, "--distributed", "fsdp2", *VLLM, "--checkpoint-every", "1",
            "--run-dir", str(killed)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "step_1" / "trainer_state.pt"
     deadline = time.time() + 300  # a stalled launch, not a speed bound: the kill comes after step 1's checkpoint
-    while not (killed / "checkpoints" / "step_1" / "trainer_state.pt").exists() and proc.poll() is None \
-            and time.time() < deadline:
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     kill_job(proc)  # torchrun, both ranks and their engines, mid-run
+    assert marker.exists(), "the run never wrote its first checkpoint (it failed, or did not start within 300 s)"
     assert not (killed / "final").exists(), "the run finished before it was killed"
     def figures(records):  # all but the timings
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
