@@ -106,6 +106,18 @@ def kill_job(proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def kill_after_first_checkpoint(cmd: list[str], run_dir: Path, wait_s: float) -> None:
+    """Start a torchrun job, SIGKILL it whole (``kill_job``) once ``checkpoints/step_1`` is complete,
+    and check that it was killed mid-run: the checkpoint is there, ``final/`` is not."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker, deadline = run_dir / "checkpoints" / "step_1" / "trainer_state.pt", time.monotonic() + wait_s
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # a stalled launch is bounded by wait_s: not a speed bound
+    kill_job(proc)
+    assert marker.exists(), f"the run never wrote its first checkpoint (it failed, or did not start within {wait_s} s)"
+    assert not (run_dir / "final").exists(), "the run finished before it was killed"
+
+
 def json_rows(text: str) -> list[dict]:
     """Every JSON object printed in ``text``. Two ranks print at once, so one rank's line can be glued
     to the other's ('{...}{...}'): each object is read wherever it starts, not line by line."""
@@ -203,13 +215,7 @@ def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path, str
     torchrun([*args, "--run-dir", str(tmp_path / "whole")])
     killed = tmp_path / "killed"
     cmd = [*TORCHRUN, "--master_port", str(_port()), *args, "--run-dir", str(killed)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker, deadline = killed / "checkpoints" / "step_1" / "trainer_state.pt", time.monotonic() + 600
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    kill_job(proc)  # torchrun and both ranks, mid-run
-    assert marker.exists(), "the run never wrote its first checkpoint (it failed, or did not start within 600 s)"
-    assert not (killed / "final").exists(), "the run finished before it was killed"
+    kill_after_first_checkpoint(cmd, killed, 600)  # torchrun and both ranks, mid-run
     out = torchrun([*RUN[:2], "grpo", "--resume", str(killed)])
     resumed = re.findall(r"grpolab: resuming from .*step_(\d+)", out.stderr)
     assert len(resumed) == 1 and int(resumed[0]) < 3, out.stderr[-2000:]  # rank 0 says which checkpoint, once

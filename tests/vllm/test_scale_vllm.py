@@ -13,14 +13,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_algorithms_distributed import ROOT, RUN, TORCHRUN, _env, _port, kill_job, torchrun
+from tests.test_algorithms_distributed import ROOT, RUN, TORCHRUN, _env, _port, kill_after_first_checkpoint, torchrun
 
 # DeepSpeed JIT-builds its CPU op once per venv (as tests/scale/conftest.py keeps it: beside the venv)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -92,14 +91,7 @@ def test_sigkill_and_resume_with_an_engine_per_rank_ends_bit_identical(fsdp2_run
     killed = tmp_path / "killed"
     cmd = [*TORCHRUN, "--master_port", str(_port()), *RUN, "--distributed", "fsdp2", *VLLM, "--checkpoint-every", "1",
            "--run-dir", str(killed)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = killed / "checkpoints" / "step_1" / "trainer_state.pt"
-    deadline = time.time() + 300  # a stalled launch, not a speed bound: the kill comes after step 1's checkpoint
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    kill_job(proc)  # torchrun, both ranks and their engines, mid-run
-    assert marker.exists(), "the run never wrote its first checkpoint (it failed, or did not start within 300 s)"
-    assert not (killed / "final").exists(), "the run finished before it was killed"
+    kill_after_first_checkpoint(cmd, killed, 300)  # torchrun, both ranks and their engines, mid-run
     def figures(records):  # all but the timings
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
