@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
+.PHONY: setup demo lint test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,12 +33,15 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/grpolab demo $(ARGS)
 
+# ruff (pyproject.toml [tool.ruff]: pyflakes, import order, lines of at most 120 characters); part of make test.
+lint: setup
+	$(BIN)/ruff check .
+
 # The light suite in TEST_WORKERS processes (pytest-xdist), each with one torch thread: two workers
 # with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
 TEST_WORKERS ?= 2
-test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser \
-		--ignore=tests/test_algorithms_distributed.py $(ARGS)
+test: setup lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -76,7 +79,7 @@ test-real: setup
 # trainer under ddp/fsdp2/deepspeed, two nodes on one machine, memory-plan validation against
 # measured peaks); one torch thread per rank.
 test-scale: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/scale tests/test_algorithms_distributed.py $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/scale $(ARGS)
 
 # The browser tier: headless Chromium (Debian's package) loads pages grpolab writes. `browser`
 # installs it where apt-get can (as root); where it cannot, the tests say so in one line.

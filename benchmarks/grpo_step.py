@@ -1,14 +1,15 @@
 """GRPO step speed on the embedded tiny and small models (prints figures; not a test).
 
 Each optimizer step: 64 completions (8 prompts x group 8) of up to 8 new tokens, on-policy, no
-reference model, reward = "the first character has an even code" (random-init models: about
-half the responses score 1, so skipping zero-advantage rows saves little; both figures are shown). For each size and dtype we time grpolab's step (rollout with the
-KV-cache sampling loop, then the micro-batched update) with and without skipping rows whose
-gradient is exactly zero, and a plain baseline in the same process: Hugging Face ``generate``
-(sampling, scores kept) followed by one forward+backward over the padded batch — the cost that
-TRL's GRPOTrainer is within ~10 % of on these shapes. For TRL itself on the same machine and shapes,
-run ``benchmarks/trl_grpo_step.py`` where ``trl`` is installed (it is not a grpolab dependency).
-Figures quoted in the issue for TRL 1.16: tiny 590 completions/s; a 34M Qwen2 36.6/s fp32, ~52/s bf16.
+reference model, reward = "the first character has an even code" (random-init models: about half the
+responses score 1, so skipping zero-advantage rows saves little; both figures are shown). For each
+size and dtype we time grpolab's step (rollout with the KV-cache sampling loop, then the
+micro-batched update) with and without skipping rows whose gradient is exactly zero, and a plain
+baseline in the same process: Hugging Face ``generate`` (sampling, scores kept) followed by one
+forward+backward over the padded batch — the cost that TRL's GRPOTrainer is within ~10 % of on these
+shapes. For TRL itself on the same machine and shapes, run ``benchmarks/trl_grpo_step.py`` where
+``trl`` is installed (it is not a grpolab dependency). Figures quoted in the issue for TRL 1.16:
+tiny 590 completions/s; a 34M Qwen2 36.6/s fp32, ~52/s bf16.
 
 Usage: python benchmarks/grpo_step.py [--steps N] [--sizes tiny,small] [--dtypes float32,bfloat16]
 The last line is one JSON object with every figure.
@@ -25,14 +26,17 @@ import time
 import torch
 
 from grpolab.algorithms.grpo import GRPOConfig
-from grpolab.algorithms.gradients import accumulate_policy_gradient
-from grpolab.algorithms.batching import make_rollout_batch
-from grpolab.algorithms.optimization import make_optimizer, optimizer_step
+from grpolab.algorithms.grpo_update import accumulate_policy_gradient
 from grpolab.core import normalize_group_rewards
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
+from grpolab.training.batching import make_rollout_batch
+from grpolab.training.optimization import make_optimizer, optimizer_step
 
-PROMPTS = [f"Q: {a}+{b}-{c}\nA: <think>" for a, b, c in [(3, 5, 2), (7, 1, 4), (2, 2, 9), (8, 0, 1), (4, 6, 3), (9, 9, 5), (1, 3, 8), (5, 7, 6)]]
+PROMPTS = [
+    f"Q: {a}+{b}-{c}\nA: <think>"
+    for a, b, c in [(3, 5, 2), (7, 1, 4), (2, 2, 9), (8, 0, 1), (4, 6, 3), (9, 9, 5), (1, 3, 8), (5, 7, 6)]
+]
 GROUP = 8
 MAX_NEW = 8
 
@@ -122,7 +126,9 @@ def measure(size: str, dtype: str, steps: int) -> dict:
             "s_per_step": round((roll + train) / steps, 4),
             "rows_trained_per_step": round(trained / steps, 1),
         }
-    out["speedup_vs_baseline"] = round(out["grpolab"]["step_completions_per_s"] / out["baseline"]["step_completions_per_s"], 2)
+    out["speedup_vs_baseline"] = round(
+        out["grpolab"]["step_completions_per_s"] / out["baseline"]["step_completions_per_s"], 2
+    )
     out["peak_rss_mb"] = round(peak_rss_mb(), 1)
     return out
 
@@ -141,18 +147,25 @@ def main() -> None:
             r = measure(size, dtype, args.steps)
             results.append(r)
             g, b = r["grpolab"], r["baseline"]
-            print(f"{size:5} ({r['params_m']}M) {dtype:8}: grpolab {g['step_completions_per_s']:7.1f} completions/s "
-                  f"(rollout {g['rollout_completions_per_s']:.0f}/s, train {g['train_completions_per_s']:.0f}/s; "
-                  f"no skip {r['grpolab_noskip']['step_completions_per_s']:.1f}/s) | baseline HF generate+train "
-                  f"{b['step_completions_per_s']:.1f}/s | x{r['speedup_vs_baseline']}  peak RSS {r['peak_rss_mb']:.0f} MB")
+            print(
+                f"{size:5} ({r['params_m']}M) {dtype:8}: grpolab {g['step_completions_per_s']:7.1f} completions/s "
+                f"(rollout {g['rollout_completions_per_s']:.0f}/s, train {g['train_completions_per_s']:.0f}/s; "
+                f"no skip {r['grpolab_noskip']['step_completions_per_s']:.1f}/s) | baseline HF generate+train "
+                f"{b['step_completions_per_s']:.1f}/s | x{r['speedup_vs_baseline']}  peak RSS {r['peak_rss_mb']:.0f} MB"
+            )
     best = {}
     for r in results:
         cur = best.get(r["size"])
         if cur is None or r["grpolab"]["step_completions_per_s"] > cur["grpolab"]["step_completions_per_s"]:
             best[r["size"]] = r
-    summary = {"results": results,
-               "fastest": {s: {"dtype": r["dtype"], "completions_per_s": r["grpolab"]["step_completions_per_s"]} for s, r in best.items()},
-               "trl_reference_completions_per_s": {"tiny": 590, "small_34m_fp32": 36.6, "small_34m_bf16": 52}}
+    summary = {
+        "results": results,
+        "fastest": {
+            s: {"dtype": r["dtype"], "completions_per_s": r["grpolab"]["step_completions_per_s"]}
+            for s, r in best.items()
+        },
+        "trl_reference_completions_per_s": {"tiny": 590, "small_34m_fp32": 36.6, "small_34m_bf16": 52},
+    }
     print(json.dumps(summary))
 
 

@@ -20,9 +20,9 @@ import torch
 import transformers  # noqa: F401 - the same imports as the idle baseline
 
 import grpolab  # noqa: F401
-from grpolab.algorithms.config import parse_overrides
 from grpolab.algorithms.grpo import GRPOConfig, train_grpo
-from grpolab.algorithms.run import Run
+from grpolab.training.config import parse_overrides
+from grpolab.training.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 

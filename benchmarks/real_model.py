@@ -19,8 +19,9 @@ the machine's load falls on both. In each run the first ``--warmup`` steps are n
   separate sampler the new weights; none here);
 - the fraction of the machine's matmul floor each phase reaches: the model's matmul FLOPs for the
   real (unpadded) tokens the phase puts through the model (2 x parameters per token forward, 6 x in
-  training; the rollout counts the generated tokens), per second, over the floor: the best ``torch.mm`` GFLOP/s at the model's own layer
-  shapes (fp32: a 1,024-token batch, about one micro-batch; bf16: 256 tokens) measured here with the same thread count;
+  training; the rollout counts the generated tokens), per second, over the floor: the best
+  ``torch.mm`` GFLOP/s at the model's own layer shapes (fp32: a 1,024-token batch, about one
+  micro-batch; bf16: 256 tokens) measured here with the same thread count;
 - peak RSS of the process.
 
 Settings: ``--dtypes`` (float32, bfloat16: autocast on both sides) x ``--threads``. Each side's best
@@ -216,13 +217,35 @@ def trl_worker(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=MICRO_ROWS, num_generations=GROUP,
-            gradient_accumulation_steps=GROUP * PROMPTS_PER_STEP // MICRO_ROWS, max_completion_length=MAX_NEW,
-            temperature=1.0, top_p=1.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-            adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="grpo",
-            scale_rewards="group", num_iterations=1, max_steps=args.warmup + args.steps, logging_steps=1,
-            save_strategy="no", report_to="none", use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=SEED,
-            shuffle_dataset=True, disable_dropout=True, **json.loads(args.trl_options))
+            output_dir=out,
+            per_device_train_batch_size=MICRO_ROWS,
+            num_generations=GROUP,
+            gradient_accumulation_steps=GROUP * PROMPTS_PER_STEP // MICRO_ROWS,
+            max_completion_length=MAX_NEW,
+            temperature=1.0,
+            top_p=1.0,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            loss_type="grpo",
+            scale_rewards="group",
+            num_iterations=1,
+            max_steps=args.warmup + args.steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=args.device == "cpu",
+            bf16=args.dtype == "bfloat16",
+            seed=SEED,
+            shuffle_dataset=True,
+            disable_dropout=True,
+            **json.loads(args.trl_options),
+        )
         trainer = TimedGRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=data,
                                    processing_class=tok, callbacks=[Timer()])
         trainer.train()
@@ -317,7 +340,10 @@ def main(argv=None) -> None:
           flush=True)
     floors = {t: run_worker(args, "floor", t) for t in thread_counts}
     for t, f in floors.items():
-        print(f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s", flush=True)
+        print(
+            f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s",
+            flush=True,
+        )
     if args.dtypes == "auto":
         dtypes = ["float32"]
         if any(f["bfloat16"] > f["float32"] for f in floors.values()):
@@ -333,9 +359,13 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             result = run_worker(args, setting[0], setting[2], setting[1])
             runs[setting].append(result)
-            print(f"round {rnd + 1}: {setting[0]} {setting[1]} {setting[2]} thread(s): "
-                  f"{sum(GROUP * PROMPTS_PER_STEP for _ in result['steps']) / sum(s['rollout'] + s['log_probs'] + s['update'] + s['sync'] for s in result['steps']):.2f} completions/s "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            seconds = sum(s["rollout"] + s["log_probs"] + s["update"] + s["sync"] for s in result["steps"])
+            print(
+                f"round {rnd + 1}: {setting[0]} {setting[1]} {setting[2]} thread(s): "
+                f"{GROUP * PROMPTS_PER_STEP * len(result['steps']) / seconds:.2f} completions/s "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     table = {f"{side} {dtype} {t}t": summarise(runs[(side, dtype, t)], params, floors[t], dtype)
              for side, dtype, t in settings}
     head = ("setting", "compl/s", "tok/s", "s/step", "rollout", "log-probs", "update", "sync", "rollout %floor",
@@ -363,7 +393,9 @@ def main(argv=None) -> None:
         if "float32" in dtypes:
             fp32 = {side: max((n for n in table if n.startswith(f"{side} float32")),
                               key=lambda n: table[n]["completions_per_s"]) for side in ("grpolab", "trl")}
-            summary["ratio_fp32"] = table[fp32["grpolab"]]["completions_per_s"] / table[fp32["trl"]]["completions_per_s"]
+            summary["ratio_fp32"] = (
+                table[fp32["grpolab"]]["completions_per_s"] / table[fp32["trl"]]["completions_per_s"]
+            )
             print(f"fp32 vs fp32 ({fp32['grpolab']} / {fp32['trl']}): {summary['ratio_fp32']:.2f}x")
     print(json.dumps(summary))
 

@@ -24,13 +24,13 @@ import time
 
 import torch
 
-from grpolab.algorithms.batching import make_rollout_batch
-from grpolab.algorithms.gradients import accumulate_policy_gradient
 from grpolab.algorithms.grpo import GRPOConfig
-from grpolab.algorithms.optimization import make_optimizer, optimizer_step
+from grpolab.algorithms.grpo_update import accumulate_policy_gradient
 from grpolab.core import normalize_group_rewards
 from grpolab.models import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import SamplingParams, make_backend
+from grpolab.training.batching import make_rollout_batch
+from grpolab.training.optimization import make_optimizer, optimizer_step
 
 PROMPTS = [f"Q: {a}+{b}-{c}\nA: <think>" for a in range(1, 9) for b, c in [(3, 5), (7, 1), (2, 2), (8, 0)]]  # 32
 GROUP = 8

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from grpolab.algorithms.grpo import GRPOConfig, train_grpo
-from grpolab.algorithms.metrics import read_metrics
+from grpolab.experiments.presets import DEMO_GRPO, TASK, TASK_OPTIONS
 from grpolab.models import load_model_and_tokenizer
-from grpolab.presets import DEMO_GRPO, TASK, TASK_OPTIONS
+from grpolab.training.metric_logging import read_metrics
 
 
 def one_run(model_path: str, groups: int, steps: int, root: Path) -> tuple[float, float, float]:

@@ -19,13 +19,12 @@ import torch
 
 
 def measure(size: str, steps: int, warmup: int = 2) -> dict:
+    import grpo_step  # same prompts and reward as the grpolab benchmark
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from grpolab.models import build_char_tokenizer, build_tiny_model
-
-    import grpo_step  # same prompts and reward as the grpolab benchmark
 
     tok = build_char_tokenizer()
     tok.padding_side = "left"
@@ -71,7 +70,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = [measure(size, args.steps) for size in args.sizes.split(",")]
     for r in results:
-        print(f"TRL GRPOTrainer {r['size']:5} fp32: {r['completions_per_s']:7.1f} completions/s ({r['s_per_step']} s/step)")
+        print(
+            f"TRL GRPOTrainer {r['size']:5} fp32: {r['completions_per_s']:7.1f} completions/s ({r['s_per_step']} "
+            "s/step)"
+        )
     print(json.dumps({"trl": results}))
 
 

@@ -92,7 +92,9 @@ def cached_smollm2(root: str | Path | None = None) -> Path:
     except (OSError, ValueError):
         raise RealModelUnavailable(f"{d} has no readable {STAMP} ({hint})") from None
     if stamp.get("conversion_version") != CONVERSION_VERSION or stamp.get("wheel_sha256") != WHEEL_SHA256:
-        raise RealModelUnavailable(f"{d} is from another conversion (version {stamp.get('conversion_version')}; {hint})")
+        raise RealModelUnavailable(
+            f"{d} is from another conversion (version {stamp.get('conversion_version')}; {hint})"
+        )
     if not (d / "model.safetensors").is_file():
         raise RealModelUnavailable(f"{d} has no model.safetensors ({hint})")
     return d

@@ -74,7 +74,7 @@ def grpo_config(tmp_path):
 def open_run(tmp_path):
     """``open_run(cfg, model, tokenizer)`` -> a ``Run`` in ``cfg.run_dir`` (closed at teardown), for calling a
     trainer's phases (policy_update, ppo_update, sft_on_kept) directly."""
-    from grpolab.algorithms.run import Run
+    from grpolab.training.run import Run
 
     runs = []
 

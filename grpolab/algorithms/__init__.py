@@ -1,0 +1,38 @@
+"""The training methods, one file each (``<method>.py``, with ``<method>_*.py`` helpers private to
+it): the file opens with the method's ``Config`` and ends with its ``train_<method>``. ``METHODS``
+names them for the command line, which imports a method only when it runs it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+
+class Method(NamedTuple):
+    """A training command: the module holding it, its config class and trainer, and its ``--help``."""
+
+    module: str
+    config: str
+    trainer: str
+    help: str
+
+    def load(self):
+        """``(config class, trainer function)``, importing the method's module."""
+        module = importlib.import_module(self.module)
+        return getattr(module, self.config), getattr(module, self.trainer)
+
+
+METHODS = {
+    "grpo": Method("grpolab.algorithms.grpo", "GRPOConfig", "train_grpo",
+                   "Train with GRPO (CS336 Algorithm 3). Any config field can follow as --field value."),
+    "sft": Method("grpolab.algorithms.sft", "SFTConfig", "train_sft",
+                  "Supervised fine-tuning on (prompt, response) pairs, loss on the response only."),
+    "ei": Method("grpolab.algorithms.expert_iteration", "EIConfig", "train_expert_iteration",
+                 "Expert iteration (CS336 Algorithm 2): sample, keep verified-correct responses, SFT on them."),
+    "ppo": Method("grpolab.algorithms.ppo", "PPOConfig", "train_ppo",
+                  "PPO with a value head and GAE (the RLHF baseline GRPO is measured against)."),
+    "dpo": Method("grpolab.algorithms.dpo", "DPOConfig", "train_dpo",
+                  "DPO on preference pairs; reports held-out preference accuracy."),
+    "rm": Method("grpolab.algorithms.rm", "RMConfig", "train_rm",
+                 "Train a reward model (Bradley-Terry) on preference pairs; reports held-out pairwise accuracy."),
+}

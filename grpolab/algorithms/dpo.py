@@ -15,14 +15,15 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..core import compute_dpo_loss, sum_response_log_probs
+from ..core import compute_dpo_loss
 from ..data import PreferencePair, is_conversation, render_chat
-from . import distributed
-from .batching import ExampleSampler
-from .config import RunConfig
-from .inputs import load_preference_inputs
-from .optimization import effective_warmup, make_optimizer, make_scheduler
-from .run import Run, TrainResult, frozen_copy
+from ..models import sum_response_log_probs
+from ..training import distributed
+from ..training.batching import ExampleSampler
+from ..training.config import RunConfig
+from ..training.inputs import load_preference_inputs
+from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.run import Run, TrainResult, frozen_copy
 
 ALPACA_TEMPLATE = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
@@ -119,7 +120,9 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
         raise ValueError("no training pairs")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer) as run:
         model, tokenizer = run.model, run.tokenizer
-        ref = run.track("reference_model", (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device))
+        ref = run.track(
+            "reference_model", (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device)
+        )
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_dpo_steps), cfg.n_dpo_steps, cfg.lr_schedule))
@@ -128,8 +131,12 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
         def held_out(step: int) -> dict[str, float]:
             model.eval()
             try:
-                return run.validate(step, lambda: preference_accuracy(run.sampling_model, ref, tokenizer, held, cfg.beta,
-                                                                      cfg.use_alpaca_template, run.device))
+                return run.validate(
+                    step,
+                    lambda: preference_accuracy(
+                        run.sampling_model, ref, tokenizer, held, cfg.beta, cfg.use_alpaca_template, run.device
+                    ),
+                )
             finally:
                 model.train()
 

@@ -15,14 +15,13 @@ from ..core import pad_token_id
 from ..eval import token_entropies
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from . import distributed
-from .batching import ExampleSampler
-from .config import SampledRunConfig
-from .inputs import load_inputs
-from .optimization import make_optimizer
-from .resources import check_sampled_inputs
-from .run import ListState, Run, TrainResult, validation
-from .sft import accumulate_sft_gradient
+from ..training import distributed
+from ..training.batching import ExampleSampler, accumulate_sft_gradient
+from ..training.config import SampledRunConfig
+from ..training.inputs import load_inputs
+from ..training.optimization import make_optimizer
+from ..training.resources import check_sampled_inputs
+from ..training.run import ListState, Run, TrainResult, validation
 
 
 class EIConfig(SampledRunConfig):
@@ -38,7 +37,9 @@ class EIConfig(SampledRunConfig):
     run_dir: str = "runs/ei"
 
 
-def sft_on_kept(run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cfg: EIConfig, step: int, pad_id: int) -> list[float]:
+def sft_on_kept(
+    run: Run, optimizer, kept: list[tuple[list[int], list[int]]], cfg: EIConfig, step: int, pad_id: int
+) -> list[float]:
     """``sft_epochs`` of SFT on the kept responses — their exact sampled ids, end token included,
     so the model also learns where to stop. Returns each batch's token NLL. ``kept`` is the same on
     every rank (gathered); each rank trains on its share of every batch."""
@@ -69,24 +70,38 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
-                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
+        backend = make_backend(
+            "hf",
+            run.sampling_model,
+            tokenizer,
+            generator=generator,
+            max_batch_size=cfg.rollout_max_batch_size,
+            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+        )
         sampling, pad_id = cfg.sampling_params(), pad_token_id(tokenizer)
         sizes = run.track("filtered_sizes", ListState()).items
         for step in run.steps():
             # every rank draws the same questions and samples its share; the kept responses are gathered
-            batch = distributed.shard([inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))])
+            batch = distributed.shard(
+                [inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))]
+            )
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch], cfg.group_size, sampling)
-            scores = scorer.score([r.scored_response for r in rollouts], [batch[r.prompt_index].answer for r in rollouts])
+            scores = scorer.score(
+                [r.scored_response for r in rollouts], [batch[r.prompt_index].answer for r in rollouts]
+            )
             kept = [(r.prompt_ids, r.response_ids) for r, s in zip(rollouts, scores) if s["reward"] >= 1.0]
             kept = [pair for part in distributed.all_gather_objects(kept) for pair in part]
             entropy = token_entropies(run.sampling_model, rollouts[: min(len(rollouts), 256)], tokenizer,
                                       temperature=cfg.sampling_temperature)
             sizes.append(len(kept))
-            record = {"ei_step": step, "ei/filtered_size": len(kept), "ei/sampled": distributed.all_reduce(len(rollouts)),
-                      "ei/reward": sum(s["reward"] for s in scores) / len(scores),
-                      "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
-                      "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+            record = {
+                "ei_step": step,
+                "ei/filtered_size": len(kept),
+                "ei/sampled": distributed.all_reduce(len(rollouts)),
+                "ei/reward": sum(s["reward"] for s in scores) / len(scores),
+                "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
+                "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
+            }
             if len(kept) >= cfg.gradient_accumulation_steps * distributed.current().world_size:
                 losses = sft_on_kept(run, optimizer, kept, cfg, step, pad_id)
                 record["ei/sft_token_nll"] = sum(losses) / len(losses)

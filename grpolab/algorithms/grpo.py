@@ -36,25 +36,25 @@ from ..core import (
 from ..envs import EnvBackend, tool_metrics
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from .batching import (
+from ..training import distributed
+from ..training.batching import (
     ExampleSampler,
     RolloutBatch,
     batched_log_probs,
     make_rollout_batch,
     optimizer_batches,
 )
-from .config import EnvOptions, PolicyUpdateConfig
-from . import distributed
-from .distributed import mean_metrics
-from .gradients import accumulate_policy_gradient
-from .health import PROBLEMS, HealthMonitor, rollout_health
-from .inputs import load_inputs
-from .metrics import plot_grpo_run
-from .optimization import effective_warmup, make_optimizer, make_scheduler
-from .resources import check_sampled_inputs
-from .run import ListState, Run, TrainResult, frozen_copy, validation
-from .sampling import sample_groups
-from .token_records import TokenRecorder, empty_stats, grpo_per_token
+from ..training.config import EnvOptions, PolicyUpdateConfig
+from ..training.distributed import mean_metrics
+from ..training.health import PROBLEMS, HealthMonitor, rollout_health
+from ..training.inputs import load_inputs
+from ..training.metric_logging import plot_grpo_run
+from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.resources import check_sampled_inputs
+from ..training.run import ListState, Run, TrainResult, frozen_copy, validation
+from ..training.token_records import TokenRecorder, empty_stats, grpo_per_token
+from .grpo_sampling import sample_groups
+from .grpo_update import accumulate_policy_gradient
 
 
 class GRPOConfig(PolicyUpdateConfig):
@@ -126,10 +126,14 @@ class GRPOConfig(PolicyUpdateConfig):
     @model_validator(mode="after")
     def _check(self):
         if self.train_batch_size < self.group_size:
-            raise ValueError(f"train_batch_size ({self.train_batch_size}) must be at least group_size ({self.group_size})")
+            raise ValueError(
+                f"train_batch_size ({self.train_batch_size}) must be at least group_size ({self.group_size})"
+            )
         if self.kl_coef > 0 and self.kl_estimator not in KL_LOSS_ESTIMATORS:
-            raise ValueError(f"kl_estimator '{self.kl_estimator}' has zero expected gradient as a loss term, so it would "
-                             f"regularise nothing; use one of {', '.join(KL_LOSS_ESTIMATORS)}")
+            raise ValueError(
+                f"kl_estimator '{self.kl_estimator}' has zero expected gradient as a loss term, so it would "
+                f"regularise nothing; use one of {', '.join(KL_LOSS_ESTIMATORS)}"
+            )
         if self.loss_type == "grpo_clip" and not self.off_policy:
             warnings.warn(
                 "loss_type 'grpo_clip' on-policy (one epoch, train_batch_size == rollout_batch_size): the ratio is "
@@ -237,7 +241,9 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     records, kl_values, stopped, applied = [], [], False, 0
     for epoch in range(cfg.epochs_per_rollout_batch):
-        for rows in optimizer_batches(n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]):
+        for rows in optimizer_batches(
+            n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]
+        ):
             record_lp = trainer_lp if epoch == 0 and not cfg.off_policy else None
             sums = accumulate_policy_gradient(run.model, batch, rows, cfg, contributes, kl_ctl.value, run.device,
                                               run.autocast, record_lp, token_stats)
@@ -266,7 +272,9 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
             run.train_step += 1
         if stopped:
             break
-    return Update(records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None)
+    return Update(
+        records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None
+    )
 
 
 def sync_policy(backend, run: Run, update: Update) -> float:
@@ -323,7 +331,9 @@ def log_step(run: Run, health: HealthMonitor, update: Update, m: dict, last_rewa
 # ---------------------------------------------------------------- the loop
 
 
-def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
+def train_grpo(
+    cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Run GRPO as configured. ``model``/``tokenizer`` override ``cfg.model`` (e.g. after SFT);
     ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     inputs = load_inputs(cfg, tokenizer)
@@ -335,20 +345,35 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         if scorer.model_reward is not None:  # reward models' running normalisation, for an exact resume
             run.track("reward_normalization", scorer)
         ref_model = run.track("reference_model", frozen_copy(model)) if cfg.kl_coef > 0 else None
-        total_opt_steps = cfg.n_grpo_steps * cfg.rollout_batch_size // cfg.train_batch_size * cfg.epochs_per_rollout_batch
+        total_opt_steps = (
+            cfg.n_grpo_steps * cfg.rollout_batch_size // cfg.train_batch_size * cfg.epochs_per_rollout_batch
+        )
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, total_opt_steps), total_opt_steps, cfg.lr_schedule))
         kl_ctl = run.track("kl_controller", cfg.kl_controller())
         sampler = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
-        health = run.track("health", HealthMonitor(cfg.health_window, cfg.truncation_threshold,
-                                                   stop_on_unhealthy=cfg.stop_on_unhealthy if isinstance(cfg.stop_on_unhealthy, bool)
-                                                   else tuple(cfg.stop_on_unhealthy)))
+        health = run.track(
+            "health",
+            HealthMonitor(
+                cfg.health_window,
+                cfg.truncation_threshold,
+                stop_on_unhealthy=cfg.stop_on_unhealthy
+                if isinstance(cfg.stop_on_unhealthy, bool)
+                else tuple(cfg.stop_on_unhealthy),
+            ),
+        )
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         samples = run.track("samples_drawn", ListState([0]))
-        backend = make_backend(cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
-                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
-                               **cfg.backend_options())
+        backend = make_backend(
+            cfg.rollout_backend,
+            run.sampling_model,
+            tokenizer,
+            max_batch_size=cfg.rollout_max_batch_size,
+            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+            generator=generator,
+            **cfg.backend_options(),
+        )
         if cfg.env is not None:  # multi-turn: the environment runs the tools around the same backend
             backend = EnvBackend(backend, run.env)
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
@@ -407,4 +432,6 @@ def train_grpo(cfg: GRPOConfig, *, model=None, tokenizer=None, resume: bool = Fa
         after = validate(run.total_steps)
         scorer.close()
         backend.close()
-        return run.finish(after, before=before, plot=lambda metrics, out: plot_grpo_run(metrics, out, f"GRPO: {run.path.name}"))
+        return run.finish(
+            after, before=before, plot=lambda metrics, out: plot_grpo_run(metrics, out, f"GRPO: {run.path.name}")
+        )

@@ -26,22 +26,22 @@ from ..core import (
     compute_gae,
     compute_grpo_clip_loss,
     compute_value_loss,
-    get_response_log_probs,
     kl_k1,
     kl_k3,
     masked_mean,
     pad_token_id,
     whiten,
 )
+from ..models.fused_head import response_log_probs
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from .batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
-from .config import PolicyUpdateConfig
-from .inputs import load_inputs
-from .optimization import effective_warmup, make_optimizer, make_scheduler
-from .resources import check_sampled_inputs
-from .token_records import TokenRecorder, empty_stats, sampler_log_probs
-from .run import Run, TrainResult, frozen_copy, validation
+from ..training.batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
+from ..training.config import PolicyUpdateConfig
+from ..training.inputs import load_inputs
+from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.resources import check_sampled_inputs
+from ..training.run import Run, TrainResult, frozen_copy, validation
+from ..training.token_records import TokenRecorder, empty_stats, sampler_log_probs
 
 
 class PPOConfig(PolicyUpdateConfig):
@@ -83,7 +83,7 @@ class PolicyWithValue(torch.nn.Module):
         self.value_head = ValueHead(lm.config.hidden_size)
 
     def forward(self, input_ids, labels, return_entropy: bool = False):
-        out = get_response_log_probs(self.lm, input_ids, labels, return_entropy, temperature=self.temperature,
+        out = response_log_probs(self.lm, input_ids, labels, return_entropy, temperature=self.temperature,
                                      return_last_hidden=True)
         return out["log_probs"], out.get("token_entropy"), self.value_head(out["last_hidden_state"])
 
@@ -121,7 +121,7 @@ def score_tokens(policy, ref, batch: dict, score: torch.Tensor, kl_coef: float, 
     kl = torch.zeros_like(old_lp)
     if ref is not None:
         with autocast():
-            ref_lp = get_response_log_probs(ref, batch["input_ids"].to(device), batch["labels"].to(device),
+            ref_lp = response_log_probs(ref, batch["input_ids"].to(device), batch["labels"].to(device),
                                             temperature=policy.temperature)["log_probs"]
         kl = kl_k1(old_lp, ref_lp.float().cpu()) * mask
     rewards = -kl_coef * kl
@@ -174,7 +174,9 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
     return sums, False
 
 
-def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
+def train_ppo(
+    cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Run PPO as configured; ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
     inputs = load_inputs(cfg, tokenizer)
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
@@ -194,8 +196,14 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
         kl_ctl = run.track("kl_controller", cfg.kl_controller())
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator, max_batch_size=cfg.rollout_max_batch_size,
-                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
+        backend = make_backend(
+            "hf",
+            run.sampling_model,
+            tokenizer,
+            generator=generator,
+            max_batch_size=cfg.rollout_max_batch_size,
+            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+        )
         sampling, pad = cfg.sampling_params(), pad_token_id(tokenizer)
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)
@@ -205,8 +213,12 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
             t0 = time.perf_counter()
             batch_q = [inputs.train[i] for i in questions.next(cfg.rollout_batch_size // cfg.group_size)]
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch_q], cfg.group_size, sampling)
-            scores = scorer.score([r.scored_response for r in rollouts], [batch_q[r.prompt_index].answer for r in rollouts],
-                                  prompts=[r.prompt for r in rollouts], questions=[batch_q[r.prompt_index].question for r in rollouts])
+            scores = scorer.score(
+                [r.scored_response for r in rollouts],
+                [batch_q[r.prompt_index].answer for r in rollouts],
+                prompts=[r.prompt for r in rollouts],
+                questions=[batch_q[r.prompt_index].question for r in rollouts],
+            )
             score = torch.tensor([s["reward"] for s in scores])
             rollout_s = time.perf_counter() - t0
             batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad)
@@ -223,15 +235,28 @@ def train_ppo(cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = Fals
             seq_kl = float(kl.sum(1).mean())
             kl_ctl.update(seq_kl, cfg.rollout_batch_size)
             mask = batch["response_mask"]
-            run.log({"ppo_step": step, "train/reward": float(score.mean()), "train/kl_to_ref": seq_kl,
-                     "train/kl_coef": kl_ctl.value, "train/value_loss_mean": sums.get("value_loss", 0.0) / max(sums.get("tokens", 0.0), 1.0),
-                     "train/returns_mean": float(masked_mean(batch["returns"], mask)) if mask.any() else 0.0,
-                     "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
-                     "train/kl_early_stop": int(stopped), "train/response_length": float(mask.sum(1).float().mean()),
-                     "health/nonfinite_steps": run.nonfinite_steps,
-                     **{f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores) for k in scores[0] if k != "reward"},
-                     "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t0 - rollout_s - record_s,
-                     "time/token_records_s": record_s})
+            run.log(
+                {
+                    "ppo_step": step,
+                    "train/reward": float(score.mean()),
+                    "train/kl_to_ref": seq_kl,
+                    "train/kl_coef": kl_ctl.value,
+                    "train/value_loss_mean": sums.get("value_loss", 0.0) / max(sums.get("tokens", 0.0), 1.0),
+                    "train/returns_mean": float(masked_mean(batch["returns"], mask)) if mask.any() else 0.0,
+                    "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
+                    "train/kl_early_stop": int(stopped),
+                    "train/response_length": float(mask.sum(1).float().mean()),
+                    "health/nonfinite_steps": run.nonfinite_steps,
+                    **{
+                        f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores)
+                        for k in scores[0]
+                        if k != "reward"
+                    },
+                    "time/rollout_s": rollout_s,
+                    "time/train_s": time.perf_counter() - t0 - rollout_s - record_s,
+                    "time/token_records_s": record_s,
+                }
+            )
             run.bar.set_postfix(reward=f"{float(score.mean()):.3f}")
             run.end_step(step + 1, validate)
         after = validate(cfg.n_ppo_steps)

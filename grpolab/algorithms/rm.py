@@ -25,12 +25,12 @@ from ..core import compute_bradley_terry_loss
 from ..data import PreferencePair
 from ..models.classifier import load_sequence_classifier
 from ..rewards import reward_model_text
-from . import distributed
-from .batching import ExampleSampler
-from .config import RunConfig
-from .inputs import load_preference_inputs
-from .optimization import effective_warmup, make_optimizer, make_scheduler
-from .run import Run, TrainResult
+from ..training import distributed
+from ..training.batching import ExampleSampler
+from ..training.config import RunConfig
+from ..training.inputs import load_preference_inputs
+from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.run import Run, TrainResult
 
 
 class RMConfig(RunConfig):
@@ -54,7 +54,9 @@ def _load(path: str, seed: int = 0, trust_remote_code: bool = False, gradient_ch
     return load_sequence_classifier(path, seed=seed, trust_remote_code=trust_remote_code)
 
 
-def pair_rewards(model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rewards(
+    model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) scores of a batch of pairs, in one forward over both texts of every pair."""
     texts = [reward_model_text(tokenizer, p.prompt, p.chosen, chat_template=cfg.chat_template) for p in pairs]
     texts += [reward_model_text(tokenizer, p.prompt, p.rejected, chat_template=cfg.chat_template) for p in pairs]
@@ -100,7 +102,9 @@ def rm_gradient(model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, de
     return distributed.all_reduce(total) / world, distributed.all_reduce(correct), distributed.all_reduce(margin)
 
 
-def train_rm(cfg: RMConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False) -> TrainResult:
+def train_rm(
+    cfg: RMConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Train a reward model as configured (``model``/``tokenizer``: a sequence classifier to start from)."""
     train, held = load_preference_inputs(cfg, tokenizer)
     if not train:
@@ -115,7 +119,9 @@ def train_rm(cfg: RMConfig, *, model=None, tokenizer=None, resume: bool = False,
         def held_out(step: int) -> dict[str, float]:
             model.eval()
             try:
-                return run.validate(step, lambda: pairwise_accuracy(run.sampling_model, tokenizer, held, cfg, run.device))
+                return run.validate(
+                    step, lambda: pairwise_accuracy(run.sampling_model, tokenizer, held, cfg, run.device)
+                )
             finally:
                 model.train()
 

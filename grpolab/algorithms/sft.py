@@ -21,18 +21,18 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from ..core import build_sequences, get_response_log_probs, pad_token_id, sft_microbatch_train_step
+from ..core import pad_token_id
 from ..data import SFTPair, conversation_segments
-from ..envs import EnvBackend, loss_mask_tensor, replay_demonstrations
+from ..envs import EnvBackend, replay_demonstrations
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from . import distributed
-from .batching import ExampleSampler, plan_microbatches
-from .config import EnvOptions, SampledRunConfig
-from .inputs import load_sft_inputs
-from .optimization import effective_warmup, make_optimizer, make_scheduler
-from .resources import check_sampled_inputs
-from .run import Run, TrainResult, validation
+from ..training import distributed
+from ..training.batching import ExampleSampler, accumulate_sft_gradient
+from ..training.config import EnvOptions, SampledRunConfig
+from ..training.inputs import load_sft_inputs
+from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.resources import check_sampled_inputs
+from ..training.run import Run, TrainResult, validation
 
 
 class SFTConfig(SampledRunConfig):
@@ -126,40 +126,6 @@ def _ended(prompt_ids, response_ids, mask, eos):
     return list(prompt_ids), response_ids, mask
 
 
-def accumulate_sft_gradient(model, sequences: list[tuple], gradient_accumulation_steps: int,
-                            normalize_constant: float, pad_id: int, device, autocast) -> tuple[float, float, float]:
-    """Forward/backward one optimizer batch of (prompt ids, response ids[, loss mask]) in equal
-    micro-batches, loss on the response tokens only (those the mask keeps). Returns (loss, summed
-    token NLL, response tokens).
-
-    In a distributed run ``sequences`` is this rank's equal share of the optimizer batch: each
-    rank's loss is ``world_size`` times its part and the engine averages, so the gradient is the
-    single-process one; the returned figures are totals over ranks."""
-    total_loss, total_nll, total_tok = 0.0, 0.0, 0.0
-    plans = plan_microbatches([len(s[0]) + len(s[1]) for s in sequences], gradient_accumulation_steps)
-    padding = distributed.padding_micro_batches(len(plans))
-    for plan in plans:
-        chunk = [sequences[i] for i in plan]
-        batch = build_sequences([s[0] for s in chunk], [s[1] for s in chunk], pad_id)
-        masks = [s[2] if len(s) > 2 else None for s in chunk]
-        if any(m is not None for m in masks):  # tool-using demonstrations: observations leave the loss
-            batch["response_mask"] &= loss_mask_tensor([len(s[0]) for s in chunk], masks, batch["labels"].shape)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast():
-            out = get_response_log_probs(model, batch["input_ids"], batch["labels"])
-        loss, meta = sft_microbatch_train_step(out["log_probs"].float(), batch["response_mask"],
-                                               gradient_accumulation_steps, normalize_constant)
-        n_tok = float(meta["num_response_tokens"])
-        total_loss += float(loss)
-        total_nll += float(meta["token_nll"]) * n_tok
-        total_tok += n_tok
-    for _ in range(padding):
-        distributed.dummy_backward(model)
-    world = distributed.current().world_size
-    return (distributed.all_reduce(total_loss) / world, distributed.all_reduce(total_nll),
-            distributed.all_reduce(total_tok))
-
-
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False,
               pairs: list[SFTPair] | None = None) -> TrainResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``, and ``pairs`` the
@@ -202,8 +168,15 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
                               f"most {cfg.n_sft_steps}: stopping")
                 break
             batch = distributed.shard([sequences[i] for i in sampler.next(cfg.train_batch_size)])
-            loss, nll, tok = accumulate_sft_gradient(run.model, batch, cfg.gradient_accumulation_steps, cfg.normalize_constant,
-                                                     pad_id, run.device, run.autocast)
+            loss, nll, tok = accumulate_sft_gradient(
+                run.model,
+                batch,
+                cfg.gradient_accumulation_steps,
+                cfg.normalize_constant,
+                pad_id,
+                run.device,
+                run.autocast,
+            )
             result = run.optimizer_step(optimizer, scheduler, loss)
             run.log_update({"train_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0)}, result,
                            optimizer)

@@ -19,7 +19,7 @@ sampling of ``x``, so ``E_pi[grad k(x)]`` is what the optimiser follows:
 For sequences these hold per position given the prefix: the part of the sequence-level KL
 gradient that flows through which prefixes are visited is missing from every loss-term estimator
 (Tang & Munos 2025; Shah et al. 2025, "A Comedy of Estimators: On KL Regularization in RL Training
-of LLMs", arXiv:2512.21852). ``tests/test_core_kl.py`` checks the three identities exactly on a
+of LLMs", arXiv:2512.21852). ``tests/core/test_kl.py`` checks the three identities exactly on a
 categorical distribution.
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .masking import as_column, required
 from .registry import get_policy_loss, register_policy_loss
 
 # The CS336 loss types, registered below in this order. New losses register themselves, so
@@ -18,16 +19,11 @@ from .registry import get_policy_loss, register_policy_loss
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
 
 
-def _as_column(x: torch.Tensor) -> torch.Tensor:
-    """(B,) or (B, 1) -> (B, 1), so per-sequence scalars broadcast over tokens."""
-    return x.unsqueeze(-1) if x.dim() == 1 else x
-
-
 def compute_naive_policy_gradient_loss(
     raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
 ) -> torch.Tensor:
     """REINFORCE per-token loss ``-A * log pi(o_t)`` (Williams 1992; CS336 A5), A broadcast (B,1)->(B,T)."""
-    return -_as_column(raw_rewards_or_advantages).to(policy_log_probs.dtype) * policy_log_probs
+    return -as_column(raw_rewards_or_advantages).to(policy_log_probs.dtype) * policy_log_probs
 
 
 def compute_grpo_clip_loss(
@@ -59,7 +55,7 @@ def compute_grpo_clip_loss(
     eps_high = cliprange if cliprange_high is None else cliprange_high
     if eps_low is None or eps_high is None:
         raise ValueError("cliprange is required for the clipped loss")
-    adv = _as_column(advantages).to(policy_log_probs.dtype)
+    adv = as_column(advantages).to(policy_log_probs.dtype)
     ratio = torch.exp(policy_log_probs - old_log_probs)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
@@ -77,12 +73,6 @@ def compute_grpo_clip_loss(
     return loss, meta
 
 
-def _require(loss_type: str, name: str, value):
-    if value is None:
-        raise ValueError(f"loss_type={loss_type!r} requires {name}")
-    return value
-
-
 def entropy_bonus_loss(token_entropy: torch.Tensor, coef: float) -> torch.Tensor:
     """Per-token entropy bonus ``-coef * H_t`` (batch, seq) to add to a per-token policy loss.
 
@@ -96,14 +86,14 @@ def entropy_bonus_loss(token_entropy: torch.Tensor, coef: float) -> torch.Tensor
 @register_policy_loss("no_baseline")
 def _no_baseline_loss(policy_log_probs, *, raw_rewards=None, **_):
     """CS336 ``no_baseline``: REINFORCE on the raw reward, ``-R * log pi`` per token."""
-    rewards = _require("no_baseline", "raw_rewards", raw_rewards)
+    rewards = required("no_baseline", "raw_rewards", raw_rewards)
     return compute_naive_policy_gradient_loss(rewards, policy_log_probs), {}
 
 
 @register_policy_loss("reinforce_with_baseline")
 def _reinforce_with_baseline_loss(policy_log_probs, *, advantages=None, **_):
     """CS336 ``reinforce_with_baseline``: ``-A * log pi`` per token with the group baseline."""
-    adv = _require("reinforce_with_baseline", "advantages", advantages)
+    adv = required("reinforce_with_baseline", "advantages", advantages)
     return compute_naive_policy_gradient_loss(adv, policy_log_probs), {}
 
 
@@ -114,10 +104,10 @@ def _grpo_clip_loss(
     """CS336 ``grpo_clip``: ``compute_grpo_clip_loss`` (DAPO clip-higher via ``cliprange_high``;
     PPO dual-clip via the option ``dual_clip_c``, off when None)."""
     return compute_grpo_clip_loss(
-        _require("grpo_clip", "advantages", advantages),
+        required("grpo_clip", "advantages", advantages),
         policy_log_probs,
-        _require("grpo_clip", "old_log_probs", old_log_probs),
-        _require("grpo_clip", "cliprange", cliprange),
+        required("grpo_clip", "old_log_probs", old_log_probs),
+        required("grpo_clip", "cliprange", cliprange),
         cliprange_high=cliprange_high,
         dual_clip_c=dual_clip_c,
     )
@@ -126,8 +116,8 @@ def _grpo_clip_loss(
 @register_policy_loss("grpo_no_clip")
 def _grpo_no_clip_loss(policy_log_probs, *, advantages=None, old_log_probs=None, **_):
     """CS336 §8 ``grpo_no_clip``: the unclipped importance-weighted loss ``-ratio * A`` per token."""
-    adv = _as_column(_require("grpo_no_clip", "advantages", advantages)).to(policy_log_probs.dtype)
-    ratio = torch.exp(policy_log_probs - _require("grpo_no_clip", "old_log_probs", old_log_probs))
+    adv = as_column(required("grpo_no_clip", "advantages", advantages)).to(policy_log_probs.dtype)
+    ratio = torch.exp(policy_log_probs - required("grpo_no_clip", "old_log_probs", old_log_probs))
     return -ratio * adv, {"ratio": ratio.detach()}
 
 

@@ -9,10 +9,24 @@ from __future__ import annotations
 import torch
 
 
+def as_column(x: torch.Tensor) -> torch.Tensor:
+    """(B,) or (B, 1) -> (B, 1), so per-sequence scalars broadcast over tokens."""
+    return x.unsqueeze(-1) if x.dim() == 1 else x
+
+
+def required(loss_type: str, name: str, value):
+    """``value``, or a ``ValueError`` naming the loss that needs it when it is ``None``."""
+    if value is None:
+        raise ValueError(f"loss_type={loss_type!r} requires {name}")
+    return value
+
+
 def _masked_values(tensor: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (tensor with masked-out entries set to 0, mask as tensor's dtype)."""
     if mask.dtype == torch.bool:
-        return torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device)), mask.to(tensor.dtype)
+        return torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device)), mask.to(
+            tensor.dtype
+        )
     mask_f = mask.to(tensor.dtype)
     return tensor * mask_f, mask_f
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import _as_column, _require
+from .masking import as_column, required
 from .registry import register_policy_loss
 
 
@@ -59,7 +59,7 @@ def compute_gspo_loss(
     Returns ``(loss (batch, seq), {"clipped": bool (batch, seq), "ratio": s_i broadcast, detached})``.
     """
     eps_high = cliprange if cliprange_high is None else cliprange_high
-    adv = _as_column(advantages).to(policy_log_probs.dtype)
+    adv = as_column(advantages).to(policy_log_probs.dtype)
     seq_log_ratio = _sequence_mean_log_ratio(policy_log_probs - old_log_probs, response_mask)
     # value s_i at every token; the gradient reaches each token's log-prob with weight s_i
     ratio = torch.exp(seq_log_ratio.detach() + policy_log_probs - policy_log_probs.detach())
@@ -89,7 +89,7 @@ def compute_cispo_loss(
     Returns ``(loss (batch, seq), {"clipped": bool (batch, seq) where the weight was clipped,
     "ratio": r_t detached})``.
     """
-    adv = _as_column(advantages).to(policy_log_probs.dtype)
+    adv = as_column(advantages).to(policy_log_probs.dtype)
     ratio = torch.exp(policy_log_probs - old_log_probs).detach()
     upper = 1.0 + cliprange_high
     lower = None if cliprange_low is None else 1.0 - cliprange_low
@@ -123,7 +123,7 @@ def compute_sapo_loss(
     """
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"sapo temperatures must be > 0, got tau_pos={tau_pos!r}, tau_neg={tau_neg!r}")
-    adv = _as_column(advantages).to(policy_log_probs.dtype)
+    adv = as_column(advantages).to(policy_log_probs.dtype)
     ratio = torch.exp(policy_log_probs - old_log_probs)
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(policy_log_probs.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
@@ -135,11 +135,11 @@ def _gspo_loss(policy_log_probs, *, advantages=None, old_log_probs=None, clipran
                response_mask=None, **_):
     """``gspo``: ``compute_gspo_loss`` (sequence-level ratio; needs ``response_mask`` and ``cliprange``)."""
     return compute_gspo_loss(
-        _require("gspo", "advantages", advantages),
+        required("gspo", "advantages", advantages),
         policy_log_probs,
-        _require("gspo", "old_log_probs", old_log_probs),
-        _require("gspo", "response_mask", response_mask),
-        _require("gspo", "cliprange", cliprange),
+        required("gspo", "old_log_probs", old_log_probs),
+        required("gspo", "response_mask", response_mask),
+        required("gspo", "cliprange", cliprange),
         cliprange_high=cliprange_high,
     )
 
@@ -151,10 +151,10 @@ def _cispo_loss(policy_log_probs, *, advantages=None, old_log_probs=None, clipra
     lower bound ``1 - cispo_low`` (option; None = no lower bound, MiniMax's choice)."""
     upper = cliprange if cliprange_high is None else cliprange_high
     return compute_cispo_loss(
-        _require("cispo", "advantages", advantages),
+        required("cispo", "advantages", advantages),
         policy_log_probs,
-        _require("cispo", "old_log_probs", old_log_probs),
-        _require("cispo", "cliprange_high or cliprange", upper),
+        required("cispo", "old_log_probs", old_log_probs),
+        required("cispo", "cliprange_high or cliprange", upper),
         cliprange_low=cispo_low,
     )
 
@@ -163,9 +163,9 @@ def _cispo_loss(policy_log_probs, *, advantages=None, old_log_probs=None, clipra
 def _sapo_loss(policy_log_probs, *, advantages=None, old_log_probs=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, **_):
     """``sapo``: ``compute_sapo_loss`` with the options ``sapo_tau_pos`` (1.0) and ``sapo_tau_neg`` (1.05)."""
     return compute_sapo_loss(
-        _require("sapo", "advantages", advantages),
+        required("sapo", "advantages", advantages),
         policy_log_probs,
-        _require("sapo", "old_log_probs", old_log_probs),
+        required("sapo", "old_log_probs", old_log_probs),
         tau_pos=sapo_tau_pos,
         tau_neg=sapo_tau_neg,
     )

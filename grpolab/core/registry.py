@@ -51,8 +51,9 @@ class AdvantageEstimator(Protocol):
     consecutive blocks of ``group_size``. ``**options`` carry the estimator's knobs by keyword
     (``advantage_eps``, ``use_std_normalization``, ``scale_rewards`` for "grpo"; ``advantage_eps``,
     ``group_baseline`` for "reinforce_plus_plus"; a token-level estimator such as GAE would take
-    ``values`` and ``response_mask`` (N, seq)); an estimator ignores options it does not use. Returns float32 advantages (N,) per response, or (N, seq) per token for token-level
-    estimators (the policy losses broadcast both).
+    ``values`` and ``response_mask`` (N, seq)); an estimator ignores options it does not use.
+    Returns float32 advantages (N,) per response, or (N, seq) per token for token-level estimators
+    (the policy losses broadcast both).
     """
 
     def __call__(self, raw_rewards: torch.Tensor, group_size: int, **options: Any) -> torch.Tensor: ...

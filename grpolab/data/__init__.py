@@ -17,8 +17,18 @@ from .datasets import (
     read_jsonl_records,
     require_field,
 )
-from .prompts import (BUILTIN_TEMPLATES, CHAT_TEMPLATES, ChatTemplate, PromptTemplate, TemplateError, conversation_segments,
-                      has_chat_template, is_conversation, load_template, render_chat)
+from .prompts import (
+    BUILTIN_TEMPLATES,
+    CHAT_TEMPLATES,
+    ChatTemplate,
+    PromptTemplate,
+    TemplateError,
+    conversation_segments,
+    has_chat_template,
+    is_conversation,
+    load_template,
+    render_chat,
+)
 from .tasks import TASKS, ArithmeticTask, CountdownTask, get_task, split_of
 
 __all__ = [

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..core import build_sequences, get_response_log_probs, pack_rows, pad_token_id
+from ..core import build_sequences, pack_rows, pad_token_id
+from ..models.fused_head import response_log_probs
 from ..rollout import Rollout
 from .evaluation import EvalResult
 from .mode import eval_mode
@@ -26,7 +27,7 @@ def token_entropies(
     reports the untempered distribution). Dropout is off during the forwards.
 
     A forward takes at most ``batch_size`` rows and ``token_budget`` padded tokens (default
-    ``core.logprobs.INFERENCE_TOKEN_BUDGET``), and ``get_response_log_probs`` computes the logits a
+    ``core.logprobs.INFERENCE_TOKEN_BUDGET``), and ``response_log_probs`` computes the logits a
     chunk of positions at a time, so memory does not grow with the number of rollouts."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -44,7 +45,7 @@ def token_entropies(
                     out.extend(0.0 for _ in rows)
                     continue
                 seq = build_sequences([r.prompt_ids for r in rows], [r.response_ids for r in rows], pad)
-                ent = get_response_log_probs(model, seq["input_ids"].to(device), seq["labels"].to(device),
+                ent = response_log_probs(model, seq["input_ids"].to(device), seq["labels"].to(device),
                                              return_token_entropy=True, temperature=scale)["token_entropy"]
                 ent = ent.float().cpu()
                 mask = seq["response_mask"]

@@ -10,8 +10,16 @@ from pathlib import Path
 
 import torch
 
-from .loading import (EMBEDDED_PREFIX, ModelLoadError, _first_line, check_safe_weights, load_model,
-                      load_tokenizer, model_directory, resolve_dtype)
+from .loading import (
+    EMBEDDED_PREFIX,
+    ModelLoadError,
+    check_safe_weights,
+    first_line,
+    load_model,
+    load_tokenizer,
+    model_directory,
+    resolve_dtype,
+)
 
 
 def is_sequence_classifier(path: str) -> bool:
@@ -38,7 +46,7 @@ def value_head_model(lm, num_labels: int = 1, seed: int = 0):
             model = AutoModelForSequenceClassification.from_config(config)
         except ValueError as exc:
             raise ModelLoadError(f"{type(lm).__name__} has no sequence-classification form in transformers "
-                                 f"({_first_line(exc)})") from None
+                                 f"({first_line(exc)})") from None
     backbone = getattr(model, model.base_model_prefix)
     backbone.load_state_dict(getattr(lm, lm.base_model_prefix).state_dict())
     return model.to(dtype=next(lm.parameters()).dtype)
@@ -59,7 +67,7 @@ def load_sequence_classifier(path: str, dtype="float32", device="cpu", seed: int
                 str(p), dtype=resolve_dtype(dtype), use_safetensors=True, local_files_only=True,
                 trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: cannot load a sequence classifier ({_first_line(exc)})") from None
+            raise ModelLoadError(f"{path}: cannot load a sequence classifier ({first_line(exc)})") from None
     else:
         lm = load_model(path, dtype=dtype, seed=seed, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
         model = value_head_model(lm, seed=seed)

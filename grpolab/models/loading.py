@@ -76,7 +76,9 @@ def adapter_base(path: str | Path) -> str:
         config = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
         base = config["base_model_name_or_path"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{p / 'adapter_config.json'}: not a readable adapter config ({_first_line(exc)})") from None
+        raise ModelLoadError(
+            f"{p / 'adapter_config.json'}: not a readable adapter config ({first_line(exc)})"
+        ) from None
     if not isinstance(base, str) or not base:
         raise ModelLoadError(f"{p / 'adapter_config.json'}: no base_model_name_or_path")
     if base.startswith(EMBEDDED_PREFIX) or Path(base).expanduser().is_dir():
@@ -105,7 +107,7 @@ def load_adapter_model(path: str, dtype, device, gradient_checkpointing: bool, t
     try:
         model = peft.PeftModel.from_pretrained(base, str(p), is_trainable=False).merge_and_unload()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"{path}: cannot apply the LoRA adapter ({_first_line(exc)})") from None
+        raise ModelLoadError(f"{path}: cannot apply the LoRA adapter ({first_line(exc)})") from None
     return model.requires_grad_(True).to(device)  # peft froze the base; the merged model is an ordinary one
 
 
@@ -123,7 +125,7 @@ def check_safe_weights(p: Path) -> None:
     raise ModelLoadError(f"no model weights (*.safetensors) in {p}")
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -131,7 +133,7 @@ def _first_line(exc: Exception) -> str:
 def _load_error(path: str, what: str, exc: Exception) -> ModelLoadError:
     if "trust_remote_code" in str(exc):
         return ModelLoadError(f"{path} holds its own model code (auto_map); it runs only with trust_remote_code=True")
-    return ModelLoadError(f"{path}: cannot load {what} ({_first_line(exc)})")
+    return ModelLoadError(f"{path}: cannot load {what} ({first_line(exc)})")
 
 
 def load_tokenizer(path: str, padding_side: str = "right", trust_remote_code: bool = False):

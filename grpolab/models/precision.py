@@ -4,7 +4,7 @@ Under bf16 autocast the output head's matmul runs in bf16: logits of magnitude ~
 error of ~0.06-0.1 each, and the sampler (lean decoder, one row and one position at a time) and the
 trainer (a padded batch) round them differently, so their log-probs of the same token disagree.
 ``set_logits_fp32(model)`` makes the head compute in float32 on float32 inputs, outside autocast,
-wherever it is called from: the trainer's log-probs (``core.get_response_log_probs``, whose chunked
+wherever it is called from: the trainer's log-probs (``fused_head.response_log_probs``, whose chunked
 head calls this forward for each chunk), the Hugging Face rollout forward, and the lean decoder
 (``rollout.fast_decoder`` reads ``logits_fp32_enabled``). The rest of the model keeps its autocast
 precision. vLLM computes its own logits and is not affected.
@@ -21,7 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..core.logprobs import unwrap_model
+from .fused_head import unwrap_model
 
 
 def _fp32_head_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:

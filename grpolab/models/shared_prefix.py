@@ -14,7 +14,8 @@ import inspect
 
 import torch
 
-from ..core import log_probs_from_forward, log_probs_from_logits
+from ..core import log_probs_from_logits
+from .fused_head import log_probs_from_forward
 
 
 def _cache_kw(model) -> str:
@@ -44,11 +45,11 @@ def shared_prefix_response_log_probs(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Log-probs (of softmax(logits / ``temperature``)) of each row's response tokens, in *response layout*: (R, Tr) with column ``j`` the
-    ``j``-th response token. ``prompt_ids`` holds the distinct prompts; ``prompt_of_row[r]``
-    says which one row ``r`` continues. Returns ``log_probs``, ``response_mask`` (bool) and, when
-    asked, ``token_entropy``. Logits are computed ``chunk_tokens`` positions at a time (see
-    ``core.get_response_log_probs``)."""
+    """Log-probs (of softmax(logits / ``temperature``)) of each row's response tokens, in *response
+    layout*: (R, Tr) with column ``j`` the ``j``-th response token. ``prompt_ids`` holds the
+    distinct prompts; ``prompt_of_row[r]`` says which one row ``r`` continues. Returns
+    ``log_probs``, ``response_mask`` (bool) and, when asked, ``token_entropy``. Logits are computed
+    ``chunk_tokens`` positions at a time (see ``fused_head.response_log_probs``)."""
     n_rows = len(response_ids)
     if n_rows == 0:
         raise ValueError("no rows")
@@ -84,7 +85,9 @@ def shared_prefix_response_log_probs(
         cache.batch_select_indices(index)
         inputs = labels[:, :-1]
         attn = torch.cat([p_mask.index_select(0, index), resp_mask[:, :-1].long()], dim=1)
-        pos = torch.tensor(p_len, device=device).index_select(0, index)[:, None] + torch.arange(t_resp - 1, device=device)
+        pos = torch.tensor(p_len, device=device).index_select(0, index)[:, None] + torch.arange(
+            t_resp - 1, device=device
+        )
         # the rest without their (rows, t_resp - 1, vocab) logits: chunked over positions (core.logprobs)
         rest = log_probs_from_forward(
             model, labels[:, 1:],
@@ -100,7 +103,9 @@ def shared_prefix_response_log_probs(
     return result
 
 
-def label_to_response_layout(tensor: torch.Tensor, prompt_lengths: list[int], response_lengths: list[int]) -> torch.Tensor:
+def label_to_response_layout(
+    tensor: torch.Tensor, prompt_lengths: list[int], response_lengths: list[int]
+) -> torch.Tensor:
     """Re-index (R, T) label-layout values (``build_sequences``) into (R, Tr) response layout."""
     t_resp = max(response_lengths)
     starts = torch.tensor([p - 1 for p in prompt_lengths])[:, None]

@@ -26,8 +26,12 @@ CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
 
 # name -> LlamaConfig fields. tiny ~0.9M parameters, small ~9.5M.
 TINY_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=344, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "small": dict(
+        hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2
+    ),
 }
 
 
@@ -49,7 +53,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(size: str = "tiny", tokenizer=None, seed: int = 0, max_position_embeddings: int = 512) -> LlamaForCausalLM:
+def build_tiny_model(
+    size: str = "tiny", tokenizer=None, seed: int = 0, max_position_embeddings: int = 512
+) -> LlamaForCausalLM:
     """A randomly initialised Llama causal LM of the named size (``tiny`` or ``small``), float32."""
     if size not in TINY_SIZES:
         raise ValueError(f"unknown embedded model size {size!r}; expected one of {', '.join(TINY_SIZES)}")

@@ -126,7 +126,9 @@ def last_number(text: str) -> str | None:
     return matches[-1].rstrip(",") if matches else None
 
 
-def question_only_reward_fn(response: str, ground_truth: Any, *, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, float]:
+def question_only_reward_fn(
+    response: str, ground_truth: Any, *, timeout: float = DEFAULT_TIMEOUT_S
+) -> dict[str, float]:
     """No format requirement: the answer is the last ``\\boxed{}``, else the last number (read with
     its scale word, "3 million"; none when a formula continues it, "2\\pi", "2x")."""
     boxed = last_boxed(response)

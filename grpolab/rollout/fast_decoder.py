@@ -42,7 +42,10 @@ class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.ln2_w, self.ln2_eps = (
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        )
         # q, k and v in one matmul
         self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
@@ -152,8 +155,12 @@ class FastDecoder:
         device = ids.device
         dtype = self.embed.dtype if not torch.is_autocast_enabled() else torch.get_autocast_dtype(device.type)
         total = length + max_new
-        self.k_cache = [torch.zeros(b, self.n_kv, total, self.head_dim, dtype=dtype, device=device) for _ in self.layers]
-        self.v_cache = [torch.zeros(b, self.n_kv, total, self.head_dim, dtype=dtype, device=device) for _ in self.layers]
+        self.k_cache = [
+            torch.zeros(b, self.n_kv, total, self.head_dim, dtype=dtype, device=device) for _ in self.layers
+        ]
+        self.v_cache = [
+            torch.zeros(b, self.n_kv, total, self.head_dim, dtype=dtype, device=device) for _ in self.layers
+        ]
         self.key_mask = torch.zeros(b, total, dtype=torch.bool, device=device)
         self.key_mask[:, :length] = mask.bool()
         self.length = length

@@ -43,7 +43,9 @@ def decode_batch(tokenizer, sequences: list[list[int]], skip_special_tokens: boo
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # a fast tokenizer: one Rust call
         return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
-    return tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    return tokenizer.batch_decode(
+        sequences, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 def token_texts(tokenizer) -> list[str]:

@@ -16,7 +16,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ..algorithms.token_records import RECORDS_FILE
+from ..training.token_records import RECORDS_FILE
 
 MAX_POINTS = 600  # points per curve
 MAX_STEPS = 200  # recorded steps embedded in the page ...

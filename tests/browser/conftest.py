@@ -4,7 +4,7 @@ it is absent, every test here is skipped with that one line, never silently."""
 import pytest
 
 from tests.browser.cdp import find_chromium
-from tests.skips import skip_folder
+from tests.helpers.skips import skip_folder
 
 
 def pytest_collection_modifyitems(config, items):

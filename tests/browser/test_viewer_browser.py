@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.algorithms.token_records import RECORDS_FILE
+from grpolab.training.token_records import RECORDS_FILE
 from grpolab.viewer import write_report
 
 TOKENS = "[...document.querySelectorAll('#groups .tok')]"
@@ -15,7 +15,7 @@ TOKENS = "[...document.querySelectorAll('#groups .tok')]"
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
     """A real demo run, short: 60 SFT steps, 3 GRPO steps of 128 rollouts, 10 test questions."""
-    from grpolab.demo import run_demo
+    from grpolab.experiments.demo import run_demo
 
     run_dir = tmp_path_factory.mktemp("viewer") / "demo"
     run_demo(run_dir, sft_steps=60, grpo_steps=3, test_examples=10, show_progress=False)
@@ -111,7 +111,7 @@ def test_tool_calls_and_observations_are_set_apart(tmp_path, chromium):
     boxed block of uncoloured tokens, and the model's call before it is marked."""
     from grpolab.algorithms.grpo import GRPOConfig, train_grpo
     from grpolab.models import load_model_and_tokenizer
-    from tests.tool_models import ENV, tool_questions, tool_using_model
+    from tests.helpers.tool_models import ENV, tool_questions, tool_using_model
 
     model, tok = load_model_and_tokenizer(str(tool_using_model(tmp_path)))
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in tool_questions()))

@@ -3,8 +3,7 @@ it could not be had, every test here is skipped with the one-line reason, never 
 
 import pytest
 
-from tests.skips import skip_folder
-
+from tests.helpers.skips import skip_folder
 from tests.real import real_model
 
 MODEL_DIR, REASON = real_model.status()

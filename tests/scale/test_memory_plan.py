@@ -20,9 +20,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not a package
 
 from benchmarks import memory as bench  # noqa: E402
-from grpolab.algorithms.config import parse_overrides  # noqa: E402
 from grpolab.algorithms.grpo import GRPOConfig  # noqa: E402
-from grpolab.algorithms.memory_plan import GiB, MiB, Hardware, estimate  # noqa: E402
+from grpolab.training.config import parse_overrides  # noqa: E402
+from grpolab.training.memory_plan import GiB, Hardware, MiB, estimate  # noqa: E402
 
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
 # (benchmarks/memory.py's row, LoRA, extra overrides): its rows, and two where activations dominate
@@ -59,8 +59,14 @@ def idle_mb() -> float:
     return bench.idle_baseline_mb()
 
 
-@pytest.mark.parametrize("name,lora,more", SETTINGS, ids=[
-    f"{n.replace(' + ', '+').replace(' ', '_')}{'-lora' if lora else ''}{'-long' if more else ''}" for n, lora, more in SETTINGS])
+@pytest.mark.parametrize(
+    "name,lora,more",
+    SETTINGS,
+    ids=[
+        f"{n.replace(' + ', '+').replace(' ', '_')}{'-lora' if lora else ''}{'-long' if more else ''}"
+        for n, lora, more in SETTINGS
+    ],
+)
 def test_plan_within_25_percent_of_measured_peak(name, lora, more, medium_model, idle_mb, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the configs name configs/deepspeed_zero3.json relative to the repository
     # glibc keeps freed blocks below its (dynamic, up to 32 MB) mmap threshold in the heap, so a
@@ -78,8 +84,11 @@ def test_plan_within_25_percent_of_measured_peak(name, lora, more, medium_model,
                            parse_overrides(bench.overrides(args, strategy, lora, extra, tmp_path / "plan")))
     plan = estimate(cfg, Hardware("cpu", ranks, 64 * GiB))
     estimated = plan.peak / MiB
-    line = (f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more else ''}: estimated {estimated:.0f} MB, measured {measured:.0f} MB per rank "
-            f"(peak RSS {result['peak_rss_mb']} - idle {idle_mb:.0f}); phases "
-            + ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.phases.items()))
+    line = (
+        f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more else ''}: estimated {estimated:.0f} MB, "
+        f"measured {measured:.0f} MB per rank "
+        f"(peak RSS {result['peak_rss_mb']} - idle {idle_mb:.0f}); phases "
+        + ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.phases.items())
+    )
     print(line)
     assert abs(estimated - measured) <= TOLERANCE * measured, line

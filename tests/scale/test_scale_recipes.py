@@ -10,15 +10,14 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from grpolab.algorithms.config import ConfigError
 from grpolab.algorithms.grpo import GRPOConfig
-from grpolab.algorithms.memory_plan import GiB, Hardware, estimate
-from tests.test_algorithms_distributed import ROOT, _env, torchrun
+from grpolab.training.config import ConfigError
+from grpolab.training.memory_plan import GiB, Hardware, estimate
+from tests.helpers.torchrun import ROOT, _env, torchrun
 
 RECIPES = {  # recipe -> (GPUs, GiB each, processes of the CPU run)
     "grpo_qwen2.5_math_1.5b_1gpu.yaml": (1, 80, 1),
@@ -51,8 +50,25 @@ def test_recipe_fits_its_hardware_by_grpolab_plan(name):
     plan = estimate(cfg, Hardware("gpu", gpus, memory * GiB))
     assert plan.fits, (name, plan.total / GiB)
     assert plan.max_micro_batch and min(plan.max_micro_batch.values()) >= plan.micro_batch_rows  # room to spare
-    out = subprocess.run([sys.executable, "-m", "grpolab", "plan", "--config", f"configs/scale/{name}", "--gpus", str(gpus),
-                          "--gpu-memory", str(memory)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpolab",
+            "plan",
+            "--config",
+            f"configs/scale/{name}",
+            "--gpus",
+            str(gpus),
+            "--gpu-memory",
+            str(memory),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"of {memory:.1f} GiB: fits" in out.stdout, out.stdout
 
@@ -75,13 +91,19 @@ def test_recipe_shape_runs_on_the_tiny_model(name, tmp_path):
     assert estimate(cfg, Hardware("cpu", nproc, 4 * GiB)).fits  # the plan agrees that the shrunk run fits
     args = ["-m", "grpolab", "grpo", "--config", str(path)]
     if nproc == 1:
-        done = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     else:
         torchrun(args, timeout=600)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     train = [m for m in metrics if "train/loss" in m]
-    assert sorted({m["grpo_step"] for m in train}) == [0, 1] and all(math.isfinite(m["train/loss"]) for m in train), train
+    assert sorted({m["grpo_step"] for m in train}) == [0, 1] and all(math.isfinite(m["train/loss"]) for m in train), (
+        train
+    )
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final")).num_parameters() > 0

@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.torchrun import ROOT, _env, _port, json_rows, kill_job
 from tests.scale.conftest import need
 from tests.scale.trainers_under_torchrun import SETTINGS, STRATEGIES, config, trainers
-from tests.test_algorithms_distributed import ROOT, _env, _port, json_rows, kill_job
 
 LR = SETTINGS["sft"]["learning_rate"]
 
@@ -71,7 +71,9 @@ def test_sft_ei_dpo_gradient_on_two_ranks_equals_one_process(trainer_runs, strat
     rows = {r["case"]: r for r in trainer_runs["gradients"] if r["case"].endswith(f"/{strategy}")}
     assert set(rows) == {f"{t}/{strategy}" for t in ("sft", "ei", "dpo")}
     for row in rows.values():
-        assert row["scale"] > 1e-3 and row["max_abs_diff"] <= 1e-6, row  # as GRPO's (tests/distributed_grad_check.py)
+        assert row["scale"] > 1e-3 and row["max_abs_diff"] <= 1e-6, (
+            row
+        )  # as GRPO's (tests/helpers/distributed_grad_check.py)
 
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
@@ -83,7 +85,9 @@ def test_two_rank_runs_end_where_one_process_ends(trainer_runs, trainer, tmp_pat
     for strategy in STRATEGIES:
         if strategy == "deepspeed" and f"{trainer}/deepspeed" not in trainer_runs["runs"]:
             continue  # deepspeed not installed: said by the gradient test's skip
-        assert_equal_runs(check_final(trainer_runs["runs"][f"{trainer}/{strategy}"], trainer), one, f"{trainer}/{strategy}")
+        assert_equal_runs(
+            check_final(trainer_runs["runs"][f"{trainer}/{strategy}"], trainer), one, f"{trainer}/{strategy}"
+        )
 
 
 def test_expert_iteration_runs_agree_across_strategies(trainer_runs):
@@ -104,12 +108,36 @@ def test_two_nodes_end_with_the_weights_of_one_node(trainer_runs, tmp_path):
     one thread and a 2-rank sum that does not depend on order: the weights must be bit-identical."""
     port = _port()
     out = tmp_path / "two_nodes"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpolab-two-nodes",
-         "tests/scale/trainers_under_torchrun.py", str(out), "grpo/fsdp2"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "grpolab-two-nodes",
+                "tests/scale/trainers_under_torchrun.py",
+                str(out),
+                "grpo/fsdp2",
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         results = [p.communicate(timeout=600) for p in procs]
     finally:

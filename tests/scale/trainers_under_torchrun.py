@@ -1,10 +1,11 @@
 """Run by the scale tier (tests/scale/conftest.py) under ``torchrun`` (gloo, CPU): one launch, many
 checks. With ``--gradients``, first SFT's, expert iteration's and DPO's gradient on 2 ranks against
-one process (``tests/distributed_grad_check.py``: ``trainer_gradients``); then each named run
+one process (``tests/helpers/distributed_grad_check.py``: ``trainer_gradients``); then each named run
 ("<trainer>/<strategy>") trained for 2 steps through the trainer's own entry point (``train_sft``,
 ``train_dpo``, ``train_expert_iteration``, ``train_grpo``), ending in ``final/``. Every rank prints
 where torchrun placed it; rank 0 prints {"run", "run_dir"} per run.
-``python -m torch.distributed.run --nproc_per_node 2 tests/scale/trainers_under_torchrun.py OUT [--gradients] [RUN ...]``"""
+``python -m torch.distributed.run --nproc_per_node 2 tests/scale/trainers_under_torchrun.py OUT``
+``[--gradients] [RUN ...]``"""
 
 from __future__ import annotations
 
@@ -19,15 +20,42 @@ SMALL = dict(model="embedded:tiny", task="arithmetic", task_train_size=40, devic
 SAMPLED = dict(sampling_max_tokens=8, sampling_min_tokens=1, eval_examples=4, log_generations_samples=0)
 # two optimizer steps of 8 rows in 2 micro-batches: each rank gets 4 rows, 2 per micro-batch
 SETTINGS = {
-    "sft": dict(SMALL, **SAMPLED, n_sft_steps=2, train_batch_size=8, gradient_accumulation_steps=2, warmup_steps=0,
-                checkpoint_every=2),
-    "dpo": dict(SMALL, n_dpo_steps=2, train_batch_size=8, gradient_accumulation_steps=2, eval_pairs=4, checkpoint_every=2),
+    "sft": dict(
+        SMALL,
+        **SAMPLED,
+        n_sft_steps=2,
+        train_batch_size=8,
+        gradient_accumulation_steps=2,
+        warmup_steps=0,
+        checkpoint_every=2,
+    ),
+    "dpo": dict(
+        SMALL, n_dpo_steps=2, train_batch_size=8, gradient_accumulation_steps=2, eval_pairs=4, checkpoint_every=2
+    ),
     # the reward accepts about half the samples of the untrained model, so each step has responses to imitate
-    "ei": dict(SMALL, **SAMPLED, n_ei_steps=2, ei_batch_size=8, group_size=2, train_batch_size=8,
-               gradient_accumulation_steps=2, reward="tests.reward_fixtures:length_parity", checkpoint_every=2),
-    "grpo": dict(SMALL, **SAMPLED, n_grpo_steps=2, rollout_batch_size=8, group_size=4, train_batch_size=8,
-                 gradient_accumulation_steps=2, eval_every=0, reward="tests.reward_fixtures:length_parity",
-                 checkpoint_every=2),
+    "ei": dict(
+        SMALL,
+        **SAMPLED,
+        n_ei_steps=2,
+        ei_batch_size=8,
+        group_size=2,
+        train_batch_size=8,
+        gradient_accumulation_steps=2,
+        reward="tests.helpers.reward_fixtures:length_parity",
+        checkpoint_every=2,
+    ),
+    "grpo": dict(
+        SMALL,
+        **SAMPLED,
+        n_grpo_steps=2,
+        rollout_batch_size=8,
+        group_size=4,
+        train_batch_size=8,
+        gradient_accumulation_steps=2,
+        eval_every=0,
+        reward="tests.helpers.reward_fixtures:length_parity",
+        checkpoint_every=2,
+    ),
 }
 PLACEMENT = ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
 RUNS = [f"{t}/{s}" for t in ("sft", "dpo", "ei") for s in STRATEGIES]
@@ -60,8 +88,8 @@ def main(out: Path, runs: list[str]) -> None:
     if "--gradients" in runs:  # SFT, EI and DPO gradients, 2 ranks against one process
         import torch
 
-        from grpolab.algorithms import distributed
-        from tests.distributed_grad_check import trainer_gradients
+        from grpolab.training import distributed
+        from tests.helpers.distributed_grad_check import trainer_gradients
 
         strategies = tuple(s for s in STRATEGIES if any(r.endswith(f"/{s}") for r in runs))
         trainer_gradients(distributed.setup("ddp", torch.device("cpu")), strategies or STRATEGIES)

@@ -4,9 +4,8 @@ with the one-line reason (an instruction set, a missing package), never silently
 
 import pytest
 
-from tests.skips import skip_folder
-
 from grpolab.rollout.vllm import vllm_unavailable_reason
+from tests.helpers.skips import skip_folder
 
 REASON = vllm_unavailable_reason()
 
@@ -19,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 def tool_model_dir(tmp_path_factory):
     """The tiny model after a short SFT on calculator demonstrations (``test_envs_vllm.tool_using_model``),
     trained once per session and saved: the multi-turn tests of every module load it."""
-    from tests.tool_models import tool_using_model
+    from tests.helpers.tool_models import tool_using_model
 
     return tool_using_model(tmp_path_factory.mktemp("tool_model"))
 

@@ -9,7 +9,7 @@ from grpolab.core import build_sequences, get_response_log_probs
 from grpolab.envs import EnvBackend, build_env, loss_mask_tensor
 from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import HFRolloutBackend, SamplingParams
-from tests.tool_models import ENV, tool_prompts
+from tests.helpers.tool_models import ENV, tool_prompts
 
 LOGPROB_TOL = 1e-5  # fp32 on both sides
 
@@ -38,8 +38,9 @@ def test_sampled_multi_turn_log_probs_are_the_trainers_with_observations_in_cont
     model, tok = lm
     engine.sync_weights(model)
     engine.generator = torch.Generator().manual_seed(3)
-    out = EnvBackend(engine, build_env(**ENV)).generate(tool_prompts(), 4, SamplingParams(temperature=1.0, max_tokens=40,
-                                                                                          stop=["</answer>"]))
+    out = EnvBackend(engine, build_env(**ENV)).generate(
+        tool_prompts(), 4, SamplingParams(temperature=1.0, max_tokens=40, stop=["</answer>"])
+    )
     assert sum(r.info["observation_tokens"] > 0 for r in out) >= len(out) // 4  # observations in the context
     batch = build_sequences([r.prompt_ids for r in out], [r.response_ids for r in out], tok.pad_token_id)
     mask = batch["response_mask"] & loss_mask_tensor([len(r.prompt_ids) for r in out], [r.loss_mask for r in out],

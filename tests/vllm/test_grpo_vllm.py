@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpolab.algorithms.grpo import train_grpo
-from tests.test_algorithms_grpo import step_records
-from tests.test_algorithms_run import (
+from tests.algorithms.test_grpo import step_records
+from tests.training.test_run import (
     Proc,
     assert_no_duplicate_steps,
     assert_same_tensors,
@@ -22,7 +22,7 @@ from tests.test_algorithms_run import (
 def test_grpo_with_vllm_learns_syncs_and_measures_the_sampler_gap(grpo_config):
     cfg = grpo_config(n_grpo_steps=25, rollout_batch_size=64, group_size=8, train_batch_size=64,
                       gradient_accumulation_steps=1, sampling_max_tokens=3, learning_rate=1e-2,
-                      reward="tests.reward_fixtures:starts_with_7", seed=1, rollout_backend="vllm",
+                      reward="tests.helpers.reward_fixtures:starts_with_7", seed=1, rollout_backend="vllm",
                       eval_every=10, sampling_min_tokens=0)  # min_tokens masks the end ids: vLLM's
     # log-probs of those first tokens are then of the renormalised distribution (documented)
     assert cfg.is_correction == "tis"  # on by default for vllm
@@ -74,7 +74,7 @@ def test_eval_with_the_vllm_backend_gives_the_hf_backends_greedy_figures(tmp_pat
 
 def test_grpo_with_a_tool_env_on_vllm_trains_on_the_engines_multi_turn_log_probs(grpo_config, tmp_path, tool_model_dir):
     from grpolab.models import load_model_and_tokenizer
-    from tests.tool_models import ENV, tool_questions
+    from tests.helpers.tool_models import ENV, tool_questions
 
     model, tok = load_model_and_tokenizer(str(tool_model_dir))
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in tool_questions()))

@@ -8,8 +8,10 @@ import torch
 from grpolab.core import get_response_log_probs
 from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import HFRolloutBackend, SamplingParams, make_backend
-from tests.test_rollout_stops import SPELLINGS, bigram_model, ids_of
-from tests.test_rollout_stops import tok as stops_tokenizer  # noqa: F401 - the module fixture
+from tests.rollout import test_stops
+from tests.rollout.test_stops import SPELLINGS, bigram_model, ids_of
+
+stops_tokenizer = test_stops.tok  # the stop tests' tokenizer fixture, under this name here
 
 PROMPTS = ["Q: 1+2\nA: <think>", "Q: 33+4-5\nA: <think>", "Hi"]
 LOGPROB_TOL = 1e-5  # fp32 on both sides; measured ~5e-7 on the CPU
@@ -144,8 +146,11 @@ def test_first_stop_min_tokens_and_end_ids_as_in_the_hf_backend(stops_tokenizer,
         (chars, None, dict(max_tokens=20, stop=["</answer>", "ns"])),
         (chars, None, dict(max_tokens=12, min_tokens=5, stop=["/a"])),  # ends at the 5th token: ignored
         (chars, None, dict(max_tokens=12, min_tokens=4, stop=["/a"])),
-        (["Q", "a", "<|end|>", "b", "c"], [stops_tokenizer.eos_token_id, stops_tokenizer.convert_tokens_to_ids("<|end|>")],
-         dict(max_tokens=10)),
+        (
+            ["Q", "a", "<|end|>", "b", "c"],
+            [stops_tokenizer.eos_token_id, stops_tokenizer.convert_tokens_to_ids("<|end|>")],
+            dict(max_tokens=10),
+        ),
     ]
     for chain, end_ids, sampling in cases:
         ours, ref = both(stops_tokenizer, stops_engine, chain, end_ids, **sampling)
@@ -159,7 +164,9 @@ def test_first_stop_min_tokens_and_end_ids_as_in_the_hf_backend(stops_tokenizer,
         assert r.response_ids[0] == ids_of(stops_tokenizer, ["a"])[0]
         assert not {end, stops_tokenizer.eos_token_id} & set(r.response_ids[:3])
     # ... and a single-token stop string, as the HF backend does ("4=" then anything but "</answer>")
-    ours, _ = both(stops_tokenizer, stops_engine, SPELLINGS["one token"], max_tokens=10, min_tokens=3, stop=["</answer>"])
+    ours, _ = both(
+        stops_tokenizer, stops_engine, SPELLINGS["one token"], max_tokens=10, min_tokens=3, stop=["</answer>"]
+    )
     for r in ours:
         assert r.response_ids[:2] == ids_of(stops_tokenizer, ["4", "="])
         assert r.response_ids[2] != ids_of(stops_tokenizer, ["</answer>"])[0]

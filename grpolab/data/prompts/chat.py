@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .templates import TemplateError
+from .base import TemplateError
 
 R1_INSTRUCTION = ("{question}\n\nThink it through inside <think> </think> tags, then give only the final answer "
                   "inside <answer> </answer> tags: <think> reasoning here </think> <answer> answer here </answer>")
@@ -97,7 +97,9 @@ class ChatTemplate:
         elif isinstance(question, str):
             msgs = [{"role": "user", "content": question}]
         else:
-            raise TemplateError(f"a question must be text or a list of {{role, content}} messages, got {question!r:.80}")
+            raise TemplateError(
+                f"a question must be text or a list of {{role, content}} messages, got {question!r:.80}"
+            )
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if users and self._wraps(question) and self.preset.instruction != "{question}":
             i = users[-1]

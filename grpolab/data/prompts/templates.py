@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .base import PromptTemplate, TemplateError
+from .chat import ChatTemplate
+
 BUILTIN_TEMPLATES = ("r1_zero", "question_only", "compact", "rag_compact")
 CHAT_TEMPLATES = ("chat", "chat_r1")  # rendered by the tokenizer's chat template (prompts/chat.py)
-
-
-class TemplateError(ValueError):
-    """An unknown template name, an unreadable template file, or no ``{question}`` placeholder."""
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    name: str
-    text: str
-
-    def __post_init__(self):
-        if "{question}" not in self.text:
-            raise TemplateError(f"prompt template {self.name!r} has no {{question}} placeholder")
-
-    def format(self, question: str) -> str:
-        if not isinstance(question, str):  # a conversation (list of messages) needs the tokenizer's template
-            raise TemplateError(f"prompt template {self.name!r} takes text; a question given as a list of messages "
-                                "needs a chat template (prompt_template: chat)")
-        return self.text.replace("{question}", question)
-
-    def __call__(self, question: str) -> str:
-        return self.format(question)
 
 
 def load_template(name_or_path: str, tokenizer=None, system_prompt: str | None = None):
@@ -38,8 +17,6 @@ def load_template(name_or_path: str, tokenizer=None, system_prompt: str | None =
     chat template, with ``system_prompt``), or a template read verbatim from a UTF-8 text file (a
     trailing newline is kept: the prompt ends where the file does)."""
     if name_or_path in CHAT_TEMPLATES:
-        from .chat import ChatTemplate
-
         if tokenizer is None:
             raise TemplateError(f"prompt template {name_or_path!r} needs the model's tokenizer")
         return ChatTemplate(tokenizer, name_or_path, system_prompt)

@@ -1,0 +1,151 @@
+"""The gradient of one optimizer batch of a rollout batch, accumulated over micro-batches — the
+engineering under GRPO's update, kept apart from the algorithm: rows that cannot contribute are
+skipped, rows may be packed by a token budget, and each distinct prompt may be run once for its
+whole group (``models.shared_prefix``). None of it changes the gradient (tested to 1e-6 against
+the plain fixed-micro-batch gradient), because every loss is scaled by the whole optimizer batch's
+sequence or token count. Across ranks those counts are global (``distributed.grad_normaliser``), so
+N processes take the single-process gradient of the same rows (tested to 1e-6 with 2 processes)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import grpo_microbatch_train_step, kl_k3
+from ..models.fused_head import response_log_probs
+from ..models.shared_prefix import (
+    label_to_response_layout,
+    response_to_label_layout,
+    shared_prefix_rows,
+    supports_shared_prefix,
+)
+from ..training import distributed
+from ..training.batching import RolloutBatch, plan_microbatches, take_rows
+
+
+def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
+                         temperature: float):
+    """(micro-batch tensors, log-probs, entropy, a function taking a micro-batch per-token tensor to the
+    rollout batch's label layout (on the CPU)) of rows ``live``. With ``shared``, each distinct prompt
+    is run once for all its responses (``models.shared_prefix``)."""
+    if not shared:
+        mb = take_rows(tensors, live, device)
+        with autocast():
+            out = response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
+                                         temperature=temperature)
+        return mb, out["log_probs"].float(), out["token_entropy"], lambda values: values.detach().cpu()
+    with autocast():
+        out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
+                                 return_token_entropy=True)
+    p_lens, r_lens, index = out["prompt_lengths"], out["response_lengths"], torch.tensor(live)
+    # the batch's mask, not the sequences': it also removes observation tokens (multi-turn rollouts)
+    mask = label_to_response_layout(tensors["response_mask"][index], p_lens, r_lens).to(device)
+    mb = {"response_mask": out["response_mask"] & mask, "advantages": tensors["advantages"][index].to(device),
+          "raw_rewards": tensors["raw_rewards"][index].to(device)}
+    for key in ("old_log_probs", "ref_log_probs", "is_weights"):
+        if key in tensors:
+            mb[key] = label_to_response_layout(tensors[key][index], p_lens, r_lens).to(device)
+    width = tensors["labels"].shape[1]
+    return mb, out["log_probs"].float(), out["token_entropy"], \
+        lambda values: response_to_label_layout(values, p_lens, r_lens, width)
+
+
+def forward_tokens(sequences, rows: list[int], shared: bool) -> int:
+    """Tokens a micro-batch of ``rows`` puts through the model, padding not counted: each row's
+    prompt and response, or with ``shared`` each distinct prompt once (the speed benchmark's FLOPs)."""
+    responses = sum(len(sequences[r][1]) for r in rows)
+    if shared:
+        return responses + sum(len(p) for p in {sequences[r][2]: sequences[r][0] for r in rows}.values())
+    return responses + sum(len(sequences[r][0]) for r in rows)
+
+
+def pass_tokens(sequences, passes: list[list[int]], shared: bool) -> int:
+    """Tokens the forwards of ``passes`` (lists of rows) compute, padding included: each pass pads its
+    rows to its longest; with ``shared``, its distinct prompts to the longest prompt, run once, and its
+    responses to the longest response."""
+    total = 0
+    for rows in passes:
+        if shared:
+            prompts = {sequences[r][2]: len(sequences[r][0]) for r in rows}
+            total += len(prompts) * max(prompts.values()) + len(rows) * max(len(sequences[r][1]) for r in rows)
+        else:
+            total += len(rows) * max(len(sequences[r][0]) + len(sequences[r][1]) for r in rows)
+    return total
+
+
+def fewer_padded_tokens(sequences, passes: list[list[int]], rows_per_pass: int, shared: bool) -> list[list[int]]:
+    """``passes`` (rows in batch order: a group's responses together, its prompt run once per pass),
+    or the same rows sorted by response length in passes of ``rows_per_pass`` (little padding, but
+    a pass may hold several prompts), whichever computes fewer tokens. The gradient is the same
+    either way (every loss is scaled by the whole batch's counts)."""
+    ranked = sorted((r for rows in passes for r in rows), key=lambda r: len(sequences[r][1]))
+    by_length = [ranked[i : i + rows_per_pass] for i in range(0, len(ranked), rows_per_pass)]
+    return by_length if pass_tokens(sequences, by_length, shared) < pass_tokens(sequences, passes, shared) else passes
+
+
+def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg, contributes: torch.Tensor,
+                               kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None,
+                               token_stats: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Forward/backward one optimizer batch (``rows``) in micro-batches, leaving its gradient in
+    ``.grad``; returns summed figures for logging and, when given ``trainer_lp``, fills in the
+    trainer's log-probs of the trained rows (for the sampler/trainer mismatch check). ``token_stats``
+    (label-layout tensors ``entropy``, ``ratio``, ``clipped``, e.g. from ``token_records.empty_stats``)
+    gets each trained token's figures from the last pass that trained it (the viewer's per-token records).
+
+    Rows that cannot contribute (zero advantage and no KL term; empty responses) are skipped, and
+    losses are scaled by the whole batch's sequence (or token) count, so the gradient equals the
+    fixed-micro-batch gradient whether or not rows are skipped and however rows are packed. In a
+    distributed run ``rows`` are this rank's share, the counts are global, the returned figures are
+    summed over ranks, and sharded engines run the same number of micro-batches on every rank."""
+    tensors = batch.tensors()
+    mask_all = batch.response_mask[rows]
+    global_tokens = distributed.grad_normaliser(mask_all.sum(), minimum=1)
+    global_rows = distributed.grad_normaliser(len(rows))
+    lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in mask_all]
+    plans = plan_microbatches(lengths, cfg.gradient_accumulation_steps, cfg.micro_batch_token_budget)
+    sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0, "forward_tokens": 0.0}
+    # sharded engines need one forward per micro-batch on every rank: no two-pass prompt sharing there
+    shared = cfg.share_prompt_prefix and supports_shared_prefix(model) and not distributed.current().sharded
+    normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
+    live_plans = [live for live in ([rows[i] for i in plan if contributes[rows[i]]] for plan in plans) if live]
+    if cfg.micro_batch_token_budget is None and len(live_plans) > 1:
+        live_plans = fewer_padded_tokens(batch.sequences, live_plans, len(plans[0]), shared)
+    padding = distributed.padding_micro_batches(len(live_plans))
+    for live in live_plans:
+        mb, log_probs, entropy, to_label_layout = microbatch_log_probs(model, tensors, batch, live, shared, device,
+                                                                       autocast, cfg.policy_temperature)
+        label_lp = to_label_layout(log_probs)
+        sums["forward_tokens"] += forward_tokens(batch.sequences, live, shared)
+        if trainer_lp is not None:
+            trainer_lp[live, : label_lp.shape[1]] = label_lp
+        old = mb.get("old_log_probs", log_probs.detach())
+        stats_meta = {} if token_stats is None else {"entropy": entropy.detach().float(),
+                                                      "ratio": torch.exp(log_probs.detach() - old)}
+        # the global sizes set the loss scale, so the micro-batch count given here is not used
+        loss, meta = grpo_microbatch_train_step(
+            log_probs, mb["response_mask"], len(plans), cfg.loss_type,
+            raw_rewards=mb["raw_rewards"], advantages=mb["advantages"], old_log_probs=old,
+            cliprange=cfg.cliprange, cliprange_high=cfg.cliprange_high,
+            length_normalization=cfg.length_normalization, normalize_constant=normalize_constant,
+            global_num_tokens=global_tokens, global_batch_size=global_rows,
+            ref_log_probs=mb.get("ref_log_probs"), kl_coef=kl_coef, kl_estimator_name=cfg.kl_estimator,
+            is_weights=mb.get("is_weights"), token_entropy=entropy if cfg.entropy_coef else None,
+            entropy_coef=cfg.entropy_coef, loss_options=cfg.loss_options(),
+        )
+        # figures stay on the device until the optimizer step: one sync per step, not per micro-batch
+        mask = mb["response_mask"]
+        n_tok = mask.sum()
+        sums["loss"] += loss
+        sums["tokens"] += n_tok
+        sums["entropy"] += (entropy.detach().float() * mask).sum()
+        sums["approx_kl"] += (kl_k3(old, log_probs.detach()) * mask).sum()
+        if "clip_fraction" in meta:
+            sums["clip"] += meta["clip_fraction"] * n_tok
+        if token_stats is not None:
+            stats_meta["clipped"] = meta.get("clipped", torch.zeros_like(mask)).float()
+            for key, values in stats_meta.items():
+                token_stats[key][live, : label_lp.shape[1]] = to_label_layout(values)
+        if "kl" in meta:
+            sums["kl"] += meta["kl"] * n_tok
+    for _ in range(padding):
+        distributed.dummy_backward(model)
+    return {k: float(distributed.all_reduce(torch.as_tensor(v, dtype=torch.float64))) for k, v in sums.items()}

@@ -1,0 +1,5 @@
+"""``python -m grpolab.cli``."""
+
+from . import main
+
+main()

@@ -1,0 +1,104 @@
+"""Checks that run before a run touches anything: the code a config names is first imported in a
+supervised child process.
+
+A ``"pkg.mod:fn"`` reward or custom tool is Python code imported by the trainer itself (to read its
+signature) and by its worker processes. A module that blocks at import would hang the run forever,
+and one that calls ``os._exit`` (or crashes the interpreter) would end it silently. So each such
+module is first imported in a child (``python -I``, the reward worker's ``sys.path``: the working
+directory last) with a timeout; a hang or a death is one line naming the module. A module that
+merely fails to import (an exception) is left to ``import_callable``'s usual message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Iterable
+
+from .config import ConfigError
+
+DEFAULT_TIMEOUT_S = 30.0
+_OK = "grpolab-import-probe: ok"
+_CHILD = (
+    "import importlib, json, sys\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
+    "importlib.import_module(sys.argv[2])\n"
+    f"sys.stdout.write('\\n{_OK}\\n'); sys.stdout.flush()\n"
+)
+
+
+def import_timeout_s() -> float:
+    """``GRPOLAB_IMPORT_TIMEOUT_S`` if set (tests), else 30 s."""
+    try:
+        return float(os.environ.get("GRPOLAB_IMPORT_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def probe_import(spec: str, what: str, timeout_s: float | None = None) -> None:
+    """Import ``spec``'s module (``"pkg.mod:fn"``) in a supervised child; raise a one-line
+    ``ConfigError`` naming ``what`` and the module if it blocks past ``timeout_s`` or ends the
+    process. An ordinary import error passes (the in-process import reports it)."""
+    from ..rewards.isolation import child_sys_path, describe_exit
+
+    module = spec.partition(":")[0].strip()
+    if not module:
+        return
+    timeout_s = import_timeout_s() if timeout_s is None else timeout_s
+    cmd = [sys.executable, "-I", "-c", _CHILD, json.dumps(child_sys_path(cwd_last=True)), module]
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                              errors="replace")
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{what} {spec!r}: importing module {module!r} did not finish within {timeout_s:g} s "
+                          "(does it block or wait for input at import?)") from None
+    if done.stdout.rstrip().endswith(_OK):
+        return
+    if done.returncode == 1 and "Traceback (most recent call last)" in done.stderr:
+        return  # an exception at import: import_callable says which, in its usual words
+    raise ConfigError(
+        f"{what} {spec!r}: importing module {module!r} ended the process ({describe_exit(done.returncode)}) "
+        "before it finished; a module must not exit or crash at import"
+    )
+
+
+def _specs(value: Any) -> Iterable[str]:
+    """Every ``"pkg.mod:fn"`` string in a reward setting (a name, a spec, or weighted components)."""
+    if isinstance(value, str):
+        if ":" in value and not value.startswith(("task:", "hf:")):
+            yield value
+    elif isinstance(value, dict):
+        for key in ("fn", "reward"):
+            if key in value:
+                yield from _specs(value[key])
+        for key in ("components",):
+            if key in value:
+                yield from _specs(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _specs(item)
+
+
+def code_specs(cfg) -> list[tuple[str, str]]:
+    """``(spec, what)`` for every reward and custom tool of ``cfg`` that names Python code."""
+    found: list[tuple[str, str]] = [(s, "reward") for s in _specs(getattr(cfg, "reward", None))]
+    env = getattr(cfg, "env", None)
+    if isinstance(env, dict):
+        tools = env.get("tools", ())
+        for tool in tools if isinstance(tools, (list, tuple)) else [tools]:
+            if isinstance(tool, str) and ":" in tool:
+                found.append((tool, "custom tool"))
+    seen, out = set(), []
+    for spec, what in found:
+        if spec not in seen:
+            seen.add(spec)
+            out.append((spec, what))
+    return out
+
+
+def check_imports(cfg, timeout_s: float | None = None) -> None:
+    """``probe_import`` every reward and custom tool module of ``cfg``."""
+    for spec, what in code_specs(cfg):
+        probe_import(spec, what, timeout_s)

@@ -1,0 +1,175 @@
+"""Resources bounded up front: every prompt must fit the model's context with room for the
+response, and the rollout's KV cache must fit the memory the machine has — checked after the
+model is loaded and before the run directory is touched, so a run that cannot work fails in one
+line instead of hours later."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..data import DataError
+from ..envs import EnvSettings
+
+
+def context_length(model) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def prompt_lengths(examples: list, template, tokenizer) -> list[int]:
+    prompts = [template.format(e.question) for e in examples]
+    return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
+
+
+def check_prompt_lengths(examples: list, template, tokenizer, model, max_new_tokens: int, on_error: str = "raise",
+                         lengths: list[int] | None = None) -> list:
+    """Examples whose prompt plus ``max_new_tokens`` fits the model's context. A longer one is an
+    error naming where it came from (``file:line``), or — with ``on_error="skip"`` — dropped,
+    counted and reported once on stderr. ``lengths``: the prompts' token counts, if known."""
+    limit = context_length(model)
+    if limit is None or not examples:
+        return examples
+    lengths = lengths if lengths is not None else prompt_lengths(examples, template, tokenizer)
+    kept, dropped = [], []
+    for example, n in zip(examples, lengths):
+        if n + max_new_tokens <= limit:
+            kept.append(example)
+            continue
+        where = (getattr(example, "meta", None) or {}).get("source", "a training example")
+        problem = (f"{where}: the prompt is {n} tokens; with sampling_max_tokens {max_new_tokens} it exceeds the "
+                   f"model's context of {limit} tokens")
+        if on_error != "skip":
+            raise DataError(problem + " (shorten it, lower sampling_max_tokens, or set data_on_error: skip)")
+        dropped.append(problem)
+    if dropped:
+        print(f"grpolab: skipped {len(dropped)} example(s) whose prompt does not fit the context; first: {dropped[0]}",
+              file=sys.stderr)
+    if not kept:
+        raise DataError(f"no example fits the model's context of {limit} tokens: {dropped[0]}")
+    return kept
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rollout_memory_bytes(model, rows: int, tokens: int) -> int:
+    """Estimated peak memory of sampling ``rows`` sequences of ``tokens`` tokens: the KV cache
+    (2 x layers x kv heads x head dim per token) plus one row of logits per sequence, in the
+    model's dtype and float32 respectively."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 1)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 1)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    width = next(model.parameters()).element_size()
+    kv = 2 * layers * kv_heads * head_dim * width * rows * tokens
+    logits = 4 * rows * getattr(cfg, "vocab_size", 1)
+    return kv + logits
+
+
+def check_rollout_memory(
+    model, device: torch.device, max_batch_size: int, longest_prompt: int, max_new_tokens: int
+) -> None:
+    """Refuse a rollout batch whose KV cache cannot fit the free memory (``GRPOLAB_MEMORY_BYTES``
+    overrides the detected amount, e.g. to plan for another machine)."""
+    override = os.environ.get("GRPOLAB_MEMORY_BYTES")
+    free = int(override) if override else available_memory_bytes(device)
+    need = rollout_memory_bytes(model, max_batch_size, longest_prompt + max_new_tokens)
+    if free is not None and need > free:
+        raise DataError(
+            f"sampling {max_batch_size} sequences of up to {longest_prompt + max_new_tokens} tokens needs about "
+            f"{need / 2**30:.1f} GiB for the KV cache, but {device} has {free / 2**30:.1f} GiB free: lower "
+            "rollout_max_batch_size or sampling_max_tokens"
+        )
+
+
+def check_sampled_inputs(inputs, cfg, check_train: bool = True):
+    """The ``Run`` hook of a trainer that samples: prompts fit the context (training and
+    validation examples; too-long ones are an error, or skipped with ``data_on_error: skip``) and
+    the rollout batch fits memory. Returns ``check(model, tokenizer, device)``."""
+
+    def check(model, tokenizer, device) -> None:
+        limit, longest = context_length(model), 0
+        env = getattr(cfg, "env", None)
+        default = EnvSettings.model_fields["max_total_tokens"].default
+        env_tokens = None if env is None else env.get("max_total_tokens", default)
+        if limit is not None and env_tokens is not None and env_tokens >= limit:  # tools: prompt + turns must fit too
+            raise DataError(f"env.max_total_tokens ({env_tokens}) must be below the model's context of {limit} tokens "
+                            "(the prompt, the model's turns and the observations share it)")
+        for name in ("train", "evals") if check_train else ("evals",):
+            examples = getattr(inputs, name)
+            lengths = prompt_lengths(examples, inputs.template, tokenizer)  # tokenised once for both checks
+            setattr(inputs, name, check_prompt_lengths(examples, inputs.template, tokenizer, model,
+                                                       cfg.sampling_max_tokens, cfg.data_on_error, lengths))
+            fitting = [n for n in lengths if limit is None or n + cfg.sampling_max_tokens <= limit]
+            longest = max([longest, *fitting])
+        if longest:
+            check_rollout_memory(model, device, cfg.rollout_max_batch_size, longest, cfg.sampling_max_tokens)
+
+    return check
+
+
+# ---------------------------------------------------------------- CPU threads
+
+def _probe_seconds(threads: int, repeats: int = 3, calls: int = 30) -> float:
+    """Best wall time of ``calls`` decode-sized matmuls (64 x 576 by 576 x 1536, many short parallel
+    regions, as a sampling step has) with ``threads`` torch threads."""
+    import time
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(
+        0
+    )  # not the global generator: a seeded run draws the same with or without a probe
+    x, w = torch.randn(64, 576, generator=g), torch.randn(1536, 576, generator=g)
+    for _ in range(3):  # the thread pool started and warm
+        torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def choose_cpu_threads(threads: int | None, probe: bool = True, measure=_probe_seconds) -> tuple[int, str | None]:
+    """The torch thread count for a CPU run, and the line that says how it was chosen (None when
+    nothing was chosen here). ``threads`` given: that. ``OMP_NUM_THREADS`` set: torch's count as it
+    is; so with ``probe`` false (deterministic runs, torchrun ranks). Otherwise a probe of ~0.1 s
+    times 1 thread against every core and keeps the faster: OpenMP threads spin while they wait, so
+    on a machine where other processes hold cores, all cores can be several times slower than one
+    (measured on 2 cores with one busy: a SmolLM2 decode step 719 ms with 2 threads, 313 ms with 1;
+    quiet: 206 ms with 2). The probed count follows the load, so two runs of one config may use
+    different counts (float results differ in the last bits): set ``threads`` for bit-identical
+    reruns and resumes (``deterministic: true`` does not probe)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return threads, None
+    every = torch.get_num_threads()
+    if not probe or os.environ.get("OMP_NUM_THREADS") or every <= 1:
+        return every, None
+    timings = {t: measure(t) for t in (1, every)}
+    chosen = min(timings, key=lambda t: timings[t])
+    torch.set_num_threads(chosen)
+    shown = ", ".join(f"{t} thread{'s' * (t > 1)} {1000 * s:.1f} ms" for t, s in timings.items())
+    return chosen, (f"torch threads: {chosen} (probe: {shown}; set threads in the config or OMP_NUM_THREADS "
+                    "to choose)")

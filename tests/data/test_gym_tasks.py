@@ -1,0 +1,110 @@
+"""reasoning-gym tasks (``task: rg:NAME``): deterministic items, disjoint splits, the dataset's own
+``score_answer`` as the reward (full credit only; hedges score 0) in the supervised workers, one-line
+errors, and a GRPO step on one. Three generators: an arithmetic one, a word problem and a puzzle."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip install 'grpolab[gym]')")
+
+from grpolab.data import get_task  # noqa: E402
+from grpolab.rewards import RewardScorer  # noqa: E402
+from grpolab.rewards.gym import rg_reward_fn, rg_reward_fn_lenient, rg_whole_response_reward_fn  # noqa: E402
+from grpolab.training.inputs import task_or_file  # noqa: E402
+
+GENERATORS = {  # one arithmetic, one word problem, one puzzle
+    "basic_arithmetic": {"min_digits": 1, "max_digits": 2},
+    "gsm_symbolic": {},
+    "mini_sudoku": {},
+}
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_items_are_deterministic_per_seed_and_splits_never_share_one(name):
+    task = get_task(f"rg:{name}", seed=3, **GENERATORS[name])
+    splits = {s: task.examples(s, 6) for s in ("train", "validation", "test")}
+    again = get_task(f"rg:{name}", seed=3, **GENERATORS[name]).examples("test", 6)
+    other = get_task(f"rg:{name}", seed=4, **GENERATORS[name]).examples("test", 6)
+    assert [e.question for e in again] == [e.question for e in splits["test"]]
+    assert [e.question for e in other] != [e.question for e in splits["test"]]
+    assert [e.question for e in task.examples("test", 3)] == [e.question for e in splits["test"][:3]]
+    questions = [{e.question for e in xs} for xs in splits.values()]
+    assert all(len(q) == 6 for q in questions)
+    assert not (questions[0] & questions[1]) and not (questions[0] & questions[2]) and not (questions[1] & questions[2])
+    assert splits["test"][0].answer["dataset"] == name and splits["test"][0].meta["source"] == f"rg:{name}:test:0"
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_a_correct_answer_scores_1_and_a_wrong_or_hedged_one_0(name):
+    example = get_task(f"rg:{name}", seed=0, **GENERATORS[name]).examples("test", 1)[0]
+    gold = example.answer["entry"]["answer"]
+    right = rg_reward_fn(f"work</think> <answer>{gold}</answer>", example.answer)
+    assert right["reward"] == right["answer_reward"] == right["format_reward"] == 1.0
+    assert (
+        rg_reward_fn(f"work</think> <answer> {gold}\n</answer>", example.answer)["reward"] == 1.0
+    )  # spaces are not wrong
+    assert rg_reward_fn("work</think> <answer>12345 x</answer>", example.answer)["reward"] == 0.0
+    assert rg_reward_fn(f"work</think> <answer>maybe {gold} or 7</answer>", example.answer)["reward"] == 0.0
+    assert rg_reward_fn(f"{gold}", example.answer)["format_reward"] == 0.0  # no tags under an R1 template
+    assert rg_reward_fn_lenient(f"work</think>\n<answer>{gold}</answer>", example.answer)["reward"] == 1.0
+    assert rg_whole_response_reward_fn(f"{gold}", example.answer)["reward"] == 1.0
+
+
+def test_partial_credit_is_reported_but_not_rewarded():
+    example = get_task("rg:gsm_symbolic", seed=0).examples("test", 1)[0]
+    wrong = str(int(example.answer["entry"]["answer"]) + 1)
+    scores = rg_reward_fn(f"w</think> <answer>{wrong}</answer>", example.answer)
+    assert 0.0 < scores["rg_score"] < 1.0 and scores["reward"] == 0.0  # gsm_symbolic gives 0.01 to a wrong number
+
+
+def test_the_reward_runs_in_a_supervised_worker_like_any_user_reward():
+    example = get_task("rg:basic_arithmetic", seed=0).examples("test", 1)[0]
+    gold = example.answer["entry"]["answer"]
+    with RewardScorer(rg_reward_fn, timeout_s=60) as scorer:
+        assert scorer.mode == "process"
+        scores = scorer.score(
+            [f"w</think> <answer>{gold}</answer>", "w</think> <answer>x</answer>"], [example.answer] * 2
+        )
+    assert [s["reward"] for s in scores] == [1.0, 0.0] and scorer.errors == 0
+
+
+def test_templates_choose_tags_or_the_whole_response():
+    _, r1, tagged = task_or_file("rg:basic_arithmetic", 1)
+    _, template, whole = task_or_file("rg:basic_arithmetic", 1, prompt_template="question_only")
+    assert tagged is rg_reward_fn and "<answer>" in r1.text  # the default template (r1_zero) asks for tags
+    assert whole is rg_whole_response_reward_fn and template.text == "{question}"
+
+
+def test_unknown_dataset_and_option_are_one_line_errors_naming_what_exists():
+    with pytest.raises(ValueError) as unknown:
+        get_task("rg:no_such_generator")
+    assert (
+        "\n" not in str(unknown.value)
+        and "basic_arithmetic" in str(unknown.value)
+        and "gsm_symbolic" in str(unknown.value)
+    )
+    with pytest.raises(ValueError) as option:
+        get_task("rg:basic_arithmetic", no_such_field=1)
+    assert "\n" not in str(option.value) and "min_digits" in str(option.value)
+
+
+def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
+    with pytest.raises(ValueError, match=r"grpolab\[gym\]") as err:
+        get_task("rg:basic_arithmetic")
+    assert "\n" not in str(err.value)
+
+
+def test_a_grpo_step_runs_on_a_reasoning_gym_task(grpo_config):
+    from grpolab.algorithms.grpo import train_grpo
+    from grpolab.training.metric_logging import read_metrics
+
+    cfg = grpo_config(task="rg:basic_arithmetic", task_options={"min_digits": 1, "max_digits": 1, "max_terms": 2},
+                      n_grpo_steps=1, rollout_batch_size=8, train_batch_size=8, task_train_size=8, eval_examples=2,
+                      reward_timeout_s=60)
+    result = train_grpo(cfg)
+    rows = [r for r in read_metrics(result.metrics_path) if "train/reward" in r]
+    assert len(rows) == 1 and rows[0]["health/reward_errors"] == 0 and "train/reward_rg_score" in rows[0]

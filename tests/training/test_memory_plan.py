@@ -1,0 +1,91 @@
+"""The memory planner's arithmetic against the real objects it describes (fast; the comparison with
+measured peak memory is tests/scale/test_memory_plan.py), and ``grpolab plan``'s one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpolab.algorithms.grpo import GRPOConfig
+from grpolab.training.memory_plan import ARCHITECTURES, GiB, Hardware, ModelShape, estimate, model_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parameter_counts_equal_the_models_own(tiny_model):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model, _ = tiny_model()
+    assert model_shape("embedded:tiny")[0].n_params == sum(p.numel() for p in model.parameters())
+    # a Qwen2 (q/k/v biases, untied head, GQA) built from a preset's shape scaled down
+    small = dict(ARCHITECTURES["Qwen2.5-Math-7B"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    qwen = Qwen2ForCausalLM(Qwen2Config(**small))
+    assert ModelShape.from_config(small, "test").n_params == sum(p.numel() for p in qwen.parameters())
+
+
+def test_known_architectures_have_their_published_sizes():
+    assert round(model_shape("x", "Qwen2.5-Math-1.5B")[0].n_params / 1e9, 2) == 1.54
+    assert round(model_shape("x", "Qwen2.5-Math-7B")[0].n_params / 1e9, 2) == 7.62
+
+
+def test_lora_parameter_count_equals_peft(tiny_model):
+    from grpolab.models import lora
+
+    model = lora.apply_lora(tiny_model()[0], 8, 16.0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model_shape("embedded:tiny")[0].lora_params(8, "all-linear") == trainable
+
+
+def test_sharding_divides_the_optimizer_state_and_ddp_does_not(tmp_path):
+    base = dict(model="embedded:small", run_dir=str(tmp_path), rollout_batch_size=16, group_size=4, train_batch_size=16,
+                gradient_accumulation_steps=2)
+    terms = {s: estimate(GRPOConfig.build(None, dict(base, distributed=s)), Hardware("cpu", 4, 8 * GiB),
+                         prompt_tokens=16).terms for s in ("ddp", "fsdp2")}
+    assert terms["fsdp2"]["optimizer states (AdamW)"] * 4 == terms["ddp"]["optimizer states (AdamW)"]
+    assert terms["fsdp2"]["weights"] * 4 == terms["ddp"]["weights"]
+
+
+def test_a_smaller_gpu_does_not_fit_and_the_micro_batch_limit_shrinks(tmp_path):
+    cfg = GRPOConfig.build(ROOT / "configs" / "grpo_qwen2.5_math_1.5b_gsm8k.yaml", {"run_dir": str(tmp_path)})
+    big, small = (estimate(cfg, Hardware("gpu", 1, g * GiB)) for g in (80, 24))
+    assert big.fits and not small.fits
+    assert big.max_micro_batch["without checkpointing"] > small.max_micro_batch["without checkpointing"]
+
+
+def test_model_config_json_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(ARCHITECTURES["Qwen2.5-Math-1.5B"], num_hidden_layers=2)))
+    shape, source = model_shape(str(tmp_path))
+    assert shape.num_hidden_layers == 2 and source.endswith("config.json")
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--config", "configs/grpo_tiny.yaml", "--model", "/nowhere/MyModel"], "model: /nowhere/MyModel"),
+    (["--config", "configs/grpo_tiny.yaml", "--gpus", "2"], "--gpu-memory"),
+    (["--config", "configs/grpo_tiny.yaml", "--architecture", "gpt-9"], "--architecture"),
+    (["--config", "configs/nope.yaml"], "configs/nope.yaml"),
+])
+def test_plan_errors_are_one_line_naming_the_input(args, says, monkeypatch):
+    from typer.testing import CliRunner
+
+    from grpolab import cli
+
+    monkeypatch.chdir(ROOT)
+    out = CliRunner().invoke(cli.app, ["plan", *args])
+    assert out.exit_code == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_plan_command_prints_every_term_and_the_verdict(monkeypatch):
+    from typer.testing import CliRunner
+
+    from grpolab import cli
+
+    monkeypatch.chdir(ROOT)
+    out = CliRunner().invoke(cli.app, ["plan", "--config", "configs/grpo_qwen2.5_math_1.5b_gsm8k.yaml", "--gpus", "1",
+                                       "--gpu-memory", "80"])
+    assert out.exit_code == 0, out.output
+    for term in ("weights", "gradients", "optimizer states", "activations", "log-prob buffers", "vLLM weights",
+                 "KV cache", "reference model", "largest micro-batch", "fits"):
+        assert term in out.stdout, term
