@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
+.PHONY: setup demo lint docs test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ demo: setup
 # ruff (pyproject.toml [tool.ruff]: pyflakes, import order, lines of at most 120 characters); part of make test.
 lint: setup
 	$(BIN)/ruff check .
+
+# The docs site (mkdocs.yml, docs/): built strictly, so a broken link or a page left out of the nav
+# fails. Its packages (the docs extra) go into .venv the first time; CI does not need them.
+docs: setup
+	@$(BIN)/python -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(BIN)/pip install -q -e ".[dev,docs]"
+	$(BIN)/mkdocs build --strict --site-dir build/site
 
 # The light suite in TEST_WORKERS processes (pytest-xdist), each with one torch thread: two workers
 # with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
