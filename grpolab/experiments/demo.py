@@ -28,7 +28,7 @@ from ..rollout import SamplingParams, make_backend
 from ..training.checkpoints import atomic_write_text, save_final
 from ..training.health import UnhealthyRunError
 from ..training.inputs import prompt_template_for
-from ..training.metric_logging import plot_grpo_run
+from ..training.metric_logging import plot_reward_curves
 from .presets import DEMO_GRPO as GRPO
 from .presets import DEMO_SFT as SFT
 from .presets import TASK, TASK_OPTIONS, TEST_EXAMPLES
@@ -120,8 +120,8 @@ def _write_summary(run_dir: Path, model, tokenizer, grpo_result, before: dict, a
     line saying why GRPO stopped without a signal (then there is no GRPO result)."""
     final = save_final(model, tokenizer, run_dir / "final")
     metrics = run_dir / "grpo" / "metrics.jsonl" if grpo_result is None else grpo_result.metrics_path
-    plot = plot_grpo_run(metrics, run_dir / "grpo_demo.png",
-                         "grpolab demo: GRPO on the embedded tiny model (arithmetic)")
+    plot = plot_reward_curves(metrics, run_dir / "grpo_demo.png",
+                              "grpolab demo: GRPO on the embedded tiny model (arithmetic)", "grpo_step")
     summary = {"grpo_stopped": stopped,
         "task": TASK, "task_options": TASK_OPTIONS, "seed": seed, "test_examples": n_test,
         "torch_threads": torch.get_num_threads(), "dtype": dtype,

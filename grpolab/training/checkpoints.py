@@ -4,13 +4,12 @@ Every directory a run writes (``checkpoints/step_N``, ``final/``) is first writt
 temporary directory, fsynced, then renamed into place, so a crash or SIGKILL never leaves a
 half-written one under its real name. At the next start, leftovers of an interrupted write are
 removed, and a checkpoint that cannot be read is skipped (loudly) in favour of the newest one
-that can. The run directory itself is checked here before a run touches it (``check_run_dir``:
-no run is silently replaced) and cleared on ``--overwrite`` (``clear_run_dir``).
+that can. The run directory around them (its names, its lock, the checks before a run touches it)
+is ``run_dir.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
@@ -20,7 +19,9 @@ from pathlib import Path
 import torch
 
 from ..models import save_model_and_tokenizer
-from .config import ConfigError
+from . import distributed
+from .config import ConfigError, resume_changes
+from .sharded_optimizer import check_sharded_files
 
 STATE_FILE = "trainer_state.pt"
 
@@ -63,8 +64,6 @@ def atomic_directory(target: Path, write, every_rank=None) -> Path:
     place, so at every instant one complete directory exists under a known name. In a distributed
     run every rank calls it: ``every_rank(tmp_dir)`` writes each rank's shard into the same
     temporary directory, then rank 0 alone runs ``write``, fsyncs and renames."""
-    from . import distributed
-
     target = Path(target)
     if every_rank is not None and distributed.current().enabled:
         return _atomic_directory_all_ranks(target, write, every_rank)
@@ -90,8 +89,6 @@ def atomic_directory(target: Path, write, every_rank=None) -> Path:
 
 def _atomic_directory_all_ranks(target: Path, write, every_rank) -> Path:
     """The distributed form of ``atomic_directory``: one temporary directory named by rank 0."""
-    from . import distributed
-
     main = distributed.current().is_main
     tmp = None
     if main:
@@ -157,8 +154,6 @@ class CheckpointManager:
     def save(self, step: int, model, tokenizer, state: dict, state_dict: dict | None = None, every_rank=None) -> Path:
         """Write ``checkpoints/step_N``; ``state_dict`` (the full weights, when ``model``'s own are
         sharded or adapted) replaces the module's; ``every_rank(tmp)`` adds per-rank shards."""
-        from . import distributed
-
         def write(tmp: Path) -> None:
             if state_dict is None:
                 save_model_and_tokenizer(model, tokenizer, tmp)
@@ -227,178 +222,28 @@ def check_model_files(path: Path) -> None:
         load_file(str(f))
 
 
-def check_sharded_files(path: Path, state: dict) -> None:
-    """Raise unless the per-rank optimizer shards of a sharded run are all there and readable:
-    FSDP2 (``optimizer/``: DCP metadata, read without executing code, and every file it names, long
-    enough for every item), DeepSpeed (``deepspeed/state/``: each rank's files, each loaded with
-    ``weights_only=True``). Other runs have none."""
-    from . import distributed
-
-    strategy = (state.get("config") or {}).get("distributed", "none")
-    path = Path(path)
-    if strategy == "fsdp2" or (path / "optimizer" / ".metadata").exists():
-        _check_dcp(path / "optimizer")
-    elif strategy == "deepspeed":
-        _check_deepspeed(path / "deepspeed" / "state", distributed.current().world_size)
-
-
-def _check_dcp(directory: Path) -> None:
-    from .safe_checkpoint import SafeUnpickler
-
-    meta = directory / ".metadata"
-    if not meta.is_file():
-        raise FileNotFoundError(f"no optimizer shards metadata ({meta.relative_to(directory.parent)})")
-    with open(meta, "rb") as f:
-        metadata = SafeUnpickler.load(f, str(meta))
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        name = str(getattr(info, "relative_path", ""))
-        needed[name] = max(needed.get(name, 0), end)
-    for name, end in sorted(needed.items()):
-        f = directory / name
-        if not f.is_file() or Path(name).is_absolute() or ".." in Path(name).parts:
-            raise FileNotFoundError(f"optimizer shard {directory.name}/{name} is missing")
-        if f.stat().st_size < end:
-            raise ValueError(
-                f"optimizer shard {directory.name}/{name} is truncated ({f.stat().st_size} of {end} bytes)"
-            )
-
-
-def _check_deepspeed(directory: Path, world_size: int) -> None:
-    from .safe_checkpoint import safe_torch_load
-
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no DeepSpeed state ({directory.parent.name}/{directory.name}/)")
-    for rank in range(world_size):
-        optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # bf16_zero_pp_... with bf16 too
-        if not any(p.is_file() for p in directory.glob(f"*{optim}")):
-            raise FileNotFoundError(f"DeepSpeed optimizer shard {optim} is missing")
-    if not list(directory.glob("*model_states.pt")):
-        raise FileNotFoundError(f"DeepSpeed model states (*model_states.pt) missing in {directory}")
-    for f in sorted(directory.glob("*.pt")):
-        safe_torch_load(f, map_location="cpu")
-
-
-# ---------------------------------------------------------------- the run directory
-
-RUN_FILES = ("metrics.jsonl", "checkpoints", "final")
-
-
-def holds_a_run(path: Path) -> bool:
-    """A directory holds a run when it has metrics, checkpoints or a final model."""
-    metrics = path / "metrics.jsonl"
-    return ((metrics.is_file() and metrics.stat().st_size > 0) or any((path / "checkpoints").glob("step_*"))
-            or (path / "final").exists())
-
-
-def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, before anything is touched, a run directory we must not (or cannot) write."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"run_dir {path}: exists and is not a directory")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"run_dir {path}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run_dir {path}: {probe} is not writable")
-    if not resume and not overwrite and path.is_dir() and holds_a_run(path):
-        raise ConfigError(f"run_dir {path} already holds a run: continue it with --resume {path}, or replace it "
-                          "with --overwrite")
-
-
-def clear_run_dir(path: Path) -> None:
-    """``overwrite``: remove a previous run's files (only the ones a run writes)."""
-    for name in (*RUN_FILES, "samples", "tensorboard", "curves.png", "config.yaml", "tokens.jsonl", "view.html"):
-        p = path / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-
-
-
-# ---------------------------------------------------------------- one writer per run directory
-
-LOCK_FILE = ".lock"
-
-
-class RunDirBusy(ConfigError):
-    """Another live process holds the run directory's lock."""
-
-
-class RunLock:
-    """An exclusive ``flock`` on ``run_dir/.lock`` (the holder's pid written in it), held for the
-    run's lifetime. The kernel drops it when the holder exits, however it exits (SIGKILL too), so a
-    lock file left behind never blocks; a live holder refuses a second run, ``--resume`` or
-    ``--overwrite`` in one line naming its pid."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
-        self.fd: int | None = None
-        self.created = False  # the lock file did not exist before
-
-    def check_free(self) -> None:
-        """Raise ``RunDirBusy`` if a live process holds the lock; touches nothing (the lock file is
-        only opened for reading, and only if it exists)."""
-        import fcntl
-
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return  # no lock file (or none we could hold either: acquire says so)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise self._busy(fd) from None
-        finally:
-            os.close(fd)  # closing drops a lock taken just now
-
-    def _busy(self, fd: int) -> RunDirBusy:
-        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        return RunDirBusy(f"run_dir {self.run_dir} is in use by another grpolab process (pid {holder}); wait for it "
-                          "to end or stop it first")
-
-    def acquire(self) -> RunLock:
-        import fcntl
-
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            try:
-                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-                self.created = True
-            except FileExistsError:
-                fd = os.open(self.path, flags)
-        except OSError as exc:
-            raise ConfigError(
-                f"run_dir {self.run_dir}: cannot open its lock file {self.path} ({exc.strerror})"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            busy = self._busy(fd)
-            os.close(fd)
-            raise busy from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def release(self, remove: bool = False) -> None:
-        """Drop the lock; ``remove``: a run that never started also removes the lock file it created
-        (the directory is left as it was found)."""
-        if self.fd is None:
-            return
-        import fcntl
-
-        try:
-            os.ftruncate(self.fd, 0)
-            if remove and self.created:
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self.fd)
-            self.fd = None
+def find_resume_checkpoint(ckpts: CheckpointManager, cfg, run_dir: Path) -> tuple[Path, dict]:
+    """``--resume``: the newest readable checkpoint and its state, chosen by rank 0 (which alone moves
+    unreadable ones aside), if the run's config may continue under ``cfg`` (only the fields
+    ``resume_changes`` allows differ, and the run has not done more steps than ``cfg`` asks for)."""
+    main = distributed.current().is_main
+    found = None
+    if main:
+        remove_leftovers(ckpts.root)
+        found = ckpts.latest_loadable()
+    path = distributed.broadcast_object(str(found[0]) if found else None)
+    if path is None:
+        raise ConfigError(f"{run_dir}: nothing to resume (no readable checkpoint in {ckpts.root})")
+    resumed_from = Path(path)
+    state = found[1] if found else ckpts.load_state(resumed_from)
+    changes = resume_changes(state.get("config", {}), cfg.to_dict(), cfg.steps_field)
+    if changes.refused:
+        raise ConfigError(f"--resume {run_dir}: the run's config cannot change on resume: {changes.refused} "
+                          f"(only {', '.join(changes.allowed_keys)} may)")
+    done = int(state.get("counters", {}).get("step", 0))
+    if done > cfg.total_steps:
+        raise ConfigError(f"--resume {run_dir}: the run has done {done} steps, more than "
+                          f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
+    if main:
+        print(f"grpolab: resuming from {resumed_from}", file=sys.stderr)
+    return resumed_from, state

@@ -20,7 +20,8 @@ The engines are the existing ones, never a home-made parallel layer:
 
 Every engine averages gradients over ranks; the loss normalisers are therefore the global counts
 divided by the world size (``grad_normaliser``), which makes one optimizer step's gradient equal
-the single-process gradient on the same rows (tested to 1e-6).
+the single-process gradient on the same rows (tested to 1e-6). The optimizer state the sharded
+engines keep per rank is saved, checked and read back by ``sharded_optimizer.py``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-
-from .safe_checkpoint import SafeUnpickler, safe_dcp_planner, safe_dcp_reader, safe_torch_load
 
 STRATEGIES = ("none", "ddp", "fsdp2", "deepspeed")
 DEFAULT_DEEPSPEED = {"zero_optimization": {"stage": 3}}
@@ -328,7 +327,7 @@ def sync_gradients() -> None:
         dummy_backward(d.engine)
 
 
-# ---------------------------------------------------------------- full weights, sharded optimizer state
+# ---------------------------------------------------------------- full weights, DeepSpeed's step
 
 
 def full_state_dict(model) -> dict:
@@ -370,46 +369,6 @@ def full_weights(model):
         elif isinstance(value, DTensor):
             value = value.detach().full_tensor()
         yield name, value.detach()
-
-
-def save_sharded_optimizer(model, optimizer, directory: Path) -> None:
-    """Every rank writes its own piece of the optimizer state: FSDP2 with
-    ``torch.distributed.checkpoint``, DeepSpeed with ``engine.save_checkpoint`` (its files also
-    hold the partitioned weights)."""
-    d = current()
-    if d.strategy == "fsdp2":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(directory / "optimizer"))
-    elif d.strategy == "deepspeed":
-        d.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
-
-
-def load_sharded_optimizer(model, optimizer, directory: Path) -> None:
-    """The inverse of ``save_sharded_optimizer`` (same world size). Nothing read from the run
-    directory is unpickled with code execution: DCP's metadata goes through ``SafeUnpickler`` and
-    its non-tensor items, like every DeepSpeed file, through ``torch.load(weights_only=True)``."""
-    d = current()
-    if d.strategy == "fsdp2":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        meta = directory / "optimizer" / ".metadata"
-        with open(meta, "rb") as f:  # refused here in one line, before DCP (which wraps errors in tracebacks)
-            SafeUnpickler.load(f, str(meta))
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, storage_reader=safe_dcp_reader(directory / "optimizer"), planner=safe_dcp_planner())
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    elif d.strategy == "deepspeed":
-        engine = d.engine.checkpoint_engine
-        original = engine.load
-        engine.load = lambda path, map_location=None, *args, **kwargs: safe_torch_load(path, map_location)
-        try:
-            d.engine.load_checkpoint(str(directory / "deepspeed"), tag="state", load_optimizer_states=True,
-                                     load_lr_scheduler_states=False, load_module_strict=True)
-        finally:
-            engine.load = original
 
 
 def deepspeed_step(loss: float | None):

@@ -21,10 +21,11 @@ What a rank holds is what grpolab's own code allocates (``run_model.py``, ``dist
   (``vllm_gpu_memory_utilization`` of the GPU: its weights, the rest KV cache; with sleep mode it is
   freed during the update); on a CPU its weights plus ``vllm_cpu_kvcache_space_gib``.
 
-The peak is the largest of five phases: set-up (the whole model is loaded, and copied for the
-sampler, before it is sharded), rollout, update (gradients and activations live), the optimizer
-step (AdamW's foreach temporaries beside the gradients), and the weight sync after it (the full
-weights gathered from the shards; merged W + BA under LoRA).
+The peak is the largest of five phases, one function each over the rank's ``RankMemory``:
+set-up (the whole model is loaded, and copied for the sampler, before it is sharded), rollout,
+update (gradients and activations live), the optimizer step (AdamW's foreach temporaries beside
+the gradients), and the weight sync after it (the full weights gathered from the shards; merged
+W + BA under LoRA). The model's shape and the hardware are ``plan_inputs.py``'s.
 Validated against measured peak RSS of real CPU runs (tests/scale/test_memory_plan.py).
 """
 
@@ -35,178 +36,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.logprobs import LOGITS_CHUNK_BYTES
+import yaml
 
-GiB, MiB = 2**30, 2**20
-# Shapes of named architectures, copied from their config.json (no hub access): `model` pointing at a
-# directory that is not on this machine is matched by its last path component.
-ARCHITECTURES: dict[str, dict] = {
-    "Qwen2.5-Math-1.5B": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                              num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                              max_position_embeddings=4096, tie_word_embeddings=True),
-    "Qwen2.5-Math-7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                            num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                            max_position_embeddings=4096, tie_word_embeddings=False),
-}
+from ..core.logprobs import LOGITS_CHUNK_BYTES
+from .config import ConfigError
+from .plan_inputs import GiB, Hardware, MiB, ModelShape, longest_prompt, model_shape
+
 # Beyond the modelled terms: a CUDA context with the allocator's slack (a typical figure, not measured
 # here), or a CPU process that has imported torch and transformers (measured here: ~350 MB).
 OVERHEAD = {"gpu": 1.0 * GiB, "cpu": 350 * MiB}
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _targeted(targets) -> tuple[str, ...]:
-    """The linear layers a ``lora_target_modules`` value names (``all-linear``: every one but the head)."""
-    if targets == "all-linear":
-        return LINEARS
-    return tuple(t.split(".")[-1] for t in ([targets] if isinstance(targets, str) else targets))
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A Llama/Qwen2-style decoder, from its config.json."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, cfg: dict, source: str) -> "ModelShape":
-        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        missing = [k for k in keys if k not in cfg]
-        if missing:
-            raise ValueError(f"{source}: no {', '.join(missing)} (grpolab plan reads decoder-only config.json files)")
-        heads = int(cfg["num_attention_heads"])
-        return cls(hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-                   num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
-                   num_key_value_heads=int(cfg.get("num_key_value_heads") or heads), vocab_size=int(cfg["vocab_size"]),
-                   max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-                   head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads))
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def n_params(self) -> int:
-        bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
-        layer = sum(a * b for a, b in self.linears().values()) + bias + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + self.hidden_size
-
-    def lora_params(self, r: int, targets) -> int:
-        """Adapter parameters (A: r x in, B: out x r) on the targeted linear layers of every layer."""
-        per_layer = sum(r * (a + b) for n, (a, b) in self.linears().items() if n in _targeted(targets))
-        return self.num_hidden_layers * per_layer
-
-    def lora_weight_fraction(self, targets) -> float:
-        """Share of the weights the adapters cover (merged into a new tensor at each sync)."""
-        covered = self.num_hidden_layers * sum(a * b for n, (a, b) in self.linears().items() if n in _targeted(targets))
-        return covered / self.n_params
-
-    def activation_bytes_per_token(self, checkpointing: bool, autocast_bf16: bool) -> int:
-        """What the backward keeps per token, all layers. A decoder layer saves: its two RMSNorms'
-        input, normalised and scaled outputs in fp32 (6H); q and k before and after RoPE, the
-        rotate-half terms, v and the attention output (4 q_dim + 4 kv_dim); the MLP's gate, up,
-        SiLU(gate) and their product (4 I); under bf16 autocast the matmuls' outputs are bf16 and
-        each linear keeps its own bf16 copy of its input (5H). With checkpointing a layer keeps only
-        its fp32 input, and one layer at a time is recomputed whole."""
-        a = 2 if autocast_bf16 else 4
-        h = self.hidden_size
-        layer = 6 * h * 4 + (4 * self.q_dim + 4 * self.kv_dim + 4 * self.intermediate_size) * a
-        if autocast_bf16:
-            layer += 5 * h * a
-        head = 3 * h * 4  # the final norm
-        if checkpointing:
-            return self.num_hidden_layers * h * 4 + layer + head
-        return self.num_hidden_layers * layer + head
-
-    def fused_sampler_bytes(self) -> int:
-        """The hf backend's lean decoder (``rollout/fast_decoder.py``) keeps fused fp32 copies of each
-        layer's q/k/v and gate/up weights."""
-        bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
-        per_layer = (
-            self.hidden_size * (self.q_dim + 2 * self.kv_dim) + bias + 2 * self.hidden_size * self.intermediate_size
-        )
-        return 4 * self.num_hidden_layers * per_layer
-
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.kv_dim * element_bytes
-
-
-def tiny_shape(name: str) -> ModelShape:
-    from ..models.tiny import CHARACTERS, SPECIAL_TOKENS, TAG_TOKENS, TINY_SIZES
-
-    if name not in TINY_SIZES:
-        raise ValueError(f"model: unknown embedded model {name!r}; expected one of {', '.join(TINY_SIZES)}")
-    return ModelShape.from_config(dict(TINY_SIZES[name], vocab_size=len(SPECIAL_TOKENS + TAG_TOKENS + CHARACTERS),
-                                       max_position_embeddings=512, tie_word_embeddings=True), f"embedded:{name}")
-
-
-def model_shape(model: str, architecture: str | None = None) -> tuple[ModelShape, str]:
-    """(shape, where it came from): a named architecture, ``embedded:NAME``, a local directory's
-    config.json, or — for a directory not on this machine — the architecture its name matches."""
-    presets = {k.lower(): k for k in ARCHITECTURES}
-    if architecture is not None:
-        if architecture.lower() not in presets:
-            raise ValueError(f"--architecture: unknown {architecture!r}; known: {', '.join(ARCHITECTURES)}")
-        name = presets[architecture.lower()]
-        return ModelShape.from_config(ARCHITECTURES[name], name), f"architecture {name} (its config.json values)"
-    if model.startswith("embedded:"):
-        return tiny_shape(model.split(":", 1)[1]), model
-    path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        try:
-            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path / 'config.json'}: invalid JSON ({exc.msg})") from None
-        return ModelShape.from_config(cfg, str(path / "config.json")), f"{path / 'config.json'}"
-    if path.name.lower() in presets:
-        name = presets[path.name.lower()]
-        return (ModelShape.from_config(ARCHITECTURES[name], name),
-                f"architecture {name} ({model} is not on this machine; its config.json values)")
-    raise ValueError(f"model: {model} has no config.json here and matches no known architecture "
-                     f"({', '.join(ARCHITECTURES)}); give a local model directory or --architecture NAME")
-
-
-@dataclass
-class Hardware:
-    kind: str  # gpu | cpu
-    ranks: int
-    memory: int  # bytes per rank (a GPU's, or the machine's shared by its processes)
-
-    @classmethod
-    def detect(cls, gpus: int | None, gpu_memory_gib: float | None, nproc: int | None) -> "Hardware":
-        if gpus is not None or gpu_memory_gib is not None:
-            if not gpus or gpus < 1:
-                raise ValueError("--gpus: give the number of GPUs (>= 1) with --gpu-memory")
-            if not gpu_memory_gib or gpu_memory_gib <= 0:
-                raise ValueError("--gpu-memory: give each GPU's memory in GiB (e.g. 80)")
-            return cls("gpu", gpus, int(gpu_memory_gib * GiB))
-        ranks = nproc or 1
-        total = 0
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-        return cls("cpu", ranks, total // ranks)
 
 
 @dataclass
@@ -237,6 +75,64 @@ class Plan:
         return self.total <= self.hw.memory
 
 
+@dataclass
+class RankMemory:
+    """What one rank of ``cfg``'s run holds across its phases (bytes), and what decides it: the terms
+    every phase shares, the sampler's, and the micro-batch's sequence length."""
+
+    shape: ModelShape
+    world: int
+    stage: int  # ZeRO stage (0: not DeepSpeed)
+    sharded_params: bool  # FSDP2, ZeRO-3: each rank holds 1/world of the weights
+    lora: bool
+    bf16: bool  # autocast: bf16 matmuls over fp32 weights
+    vllm: bool
+    lora_fraction: float = 0.0  # of the weights the adapters cover (merged at each sync)
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0  # AdamW's two fp32 moments
+    step_temp: int = 0  # torch's AdamW (foreach): one temporary per state tensor
+    replica: int = 0
+    reference: int = 0
+    bucket: int = 0
+    engine: int = 0  # the vLLM engine's weights
+    kv_cache: int = 0
+    fused: int = 0  # the hf sampler's fused q/k/v, gate/up
+    asleep: bool = False  # vLLM sleep mode (level 1) during the update: weights offloaded, KV cache freed
+    seq: int = 1
+
+    @property
+    def persistent(self) -> int:
+        """What lives through every phase after set-up (ZeRO keeps its gradient partitions too)."""
+        return (self.weights + self.replica + self.fused + self.bucket + self.reference + self.optimizer
+                + (self.gradients if self.stage else 0))
+
+    @property
+    def live_gradients(self) -> int:
+        """The gradients an update and the optimizer step add (ZeRO's are in ``persistent``)."""
+        return 0 if self.stage else self.gradients
+
+    @property
+    def resident_engine(self) -> int:
+        """The vLLM engine as it stays through the update (nothing of it asleep; the hf sampler's KV
+        cache is freed after the rollout)."""
+        return 0 if self.asleep else self.engine + (self.kv_cache if self.vllm else 0)
+
+    def update_extra(self, rows: int, checkpointing: bool) -> int:
+        """What an update adds on top of the persistent state for micro-batches of ``rows``: the
+        activations, the log-prob buffers, and the layers gathered from the shards."""
+        s = self.shape
+        tokens = rows * self.seq
+        acts = tokens * s.activation_bytes_per_token(checkpointing, self.bf16)
+        chunk = min(tokens, max(1, LOGITS_CHUNK_BYTES // (4 * s.vocab_size)))
+        logits = 3 * chunk * s.vocab_size * 4  # logits, log-softmax, softmax for the entropy (float32)
+        gathered = 0
+        if self.sharded_params and self.world > 1:  # one layer whole at a time (and the next one prefetched)
+            layer = (s.n_params - s.vocab_size * s.hidden_size) // s.num_hidden_layers
+            gathered = 2 * 4 * layer
+        return acts + logits + gathered
+
+
 def _zero_options(cfg) -> dict:
     """The ``zero_optimization`` block of the run's DeepSpeed config (grpolab's default: ZeRO-3)."""
     if cfg.distributed != "deepspeed":
@@ -250,174 +146,175 @@ def _zero_options(cfg) -> dict:
         raise ValueError(f"deepspeed_config: cannot read {path} ({exc})") from None
 
 
-def longest_prompt(cfg, n: int = 256) -> int | None:
-    """Tokens of the longest of the first ``n`` training prompts, rendered as the run renders them;
-    None where the data or the tokenizer is not on this machine."""
-    from ..data import DataError, TemplateError
-    from ..models import load_tokenizer
-    from .inputs import load_inputs
-
-    try:
-        if cfg.model.startswith("embedded:"):
-            from ..models.tiny import build_char_tokenizer
-
-            tokenizer = build_char_tokenizer()
-        else:
-            tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        inputs = load_inputs(cfg, tokenizer)
-        questions = [getattr(e, "question", None) or getattr(e, "prompt", "") for e in inputs.train[:n]]
-        return max(len(tokenizer(inputs.template.format(q))["input_ids"]) for q in questions)
-    except (DataError, TemplateError, OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: int | None = None) -> Plan:
-    """The memory plan of ``cfg`` (any trainer's config) on ``hw``."""
-    shape, source = model_shape(cfg.model, architecture)
-    plan = Plan(shape, source, hw)
+def _resident(cfg, shape: ModelShape, hw: Hardware, notes: list[str]) -> RankMemory:
+    """The terms every phase shares: weights, gradients, AdamW, the sampler's copy, the reference,
+    ZeRO-3's gradient bucket."""
     world = hw.ranks if cfg.distributed != "none" else 1
     if cfg.distributed == "none" and hw.ranks > 1:
-        plan.notes.append(f"distributed is none: one process uses one of the {hw.ranks} devices")
+        notes.append(f"distributed is none: one process uses one of the {hw.ranks} devices")
     zero = _zero_options(cfg)
     stage = int(zero.get("stage", 0))
     sharded_params = cfg.distributed == "fsdp2" or stage == 3
-    sharded_state = sharded_params or stage == 2
-    P = shape.n_params
-    lora = cfg.lora_r > 0
+    state_share = world if sharded_params or stage == 2 else 1
+    P, lora, gpu = shape.n_params, cfg.lora_r > 0, hw.kind == "gpu"
     trainable = shape.lora_params(cfg.lora_r, cfg.lora_target_modules) if lora else P
-    gpu = hw.kind == "gpu"
-    bf16 = getattr(cfg, "dtype", "float32") == "bfloat16"  # autocast: bf16 matmuls over fp32 weights
-    offload = cfg.fsdp_cpu_offload and gpu
-    share = world if sharded_params else 1
-    state_share = world if sharded_state else 1
-
-    # --- persistent: weights, the sampler's copy, the reference, optimizer states
-    weights = 4 * P // share
+    m = RankMemory(shape, world, stage, sharded_params, lora, bf16=getattr(cfg, "dtype", "float32") == "bfloat16",
+                   vllm=getattr(cfg, "rollout_backend", "hf") == "vllm")
+    if lora:
+        m.lora_fraction = shape.lora_weight_fraction(cfg.lora_target_modules)
+    m.weights = 4 * P // (world if sharded_params else 1)
     if stage == 3:
-        weights += 4 * trainable // world  # ZeRO-3's fp32 master partition beside the parameters'
-    vllm = getattr(cfg, "rollout_backend", "hf") == "vllm"
+        m.weights += 4 * trainable // world  # ZeRO-3's fp32 master partition beside the parameters'
     # a plain full copy of the weights when the trained ones are sharded or adapted: the hf sampler's,
     # and with vLLM still kept for validation and final/ (the engine's weights stream from the shards)
-    replica = 4 * P if (lora or sharded_params) else 0
-    kl = getattr(cfg, "kl_coef", 0) > 0 or cfg.command == "dpo"
-    reference = 4 * P if kl and not lora else 0
-    optimizer = 8 * trainable // state_share
-    grads = 4 * trainable // state_share
+    m.replica = 4 * P if (lora or sharded_params) else 0
+    kl = getattr(cfg, "kl_coef", 0) > 0 or cfg.needs_reference
+    m.reference = 4 * P if kl and not lora else 0
+    m.optimizer = 8 * trainable // state_share
+    m.gradients = 4 * trainable // state_share
     if cfg.distributed == "ddp" and world > 1:
-        grads *= 2  # DDP's all-reduce buckets hold a second copy of every gradient
-    bucket = 0
+        m.gradients *= 2  # DDP's all-reduce buckets hold a second copy of every gradient
     if stage == 3 and zero.get("contiguous_gradients", True):
         # ZeRO-3's gradient reduce bucket, torch.empty(reduce_bucket_size): a GPU allocates it whole, a
         # CPU only the pages the gradients fill
         size = int(float(zero.get("reduce_bucket_size", 5e8)))
-        bucket = 4 * (size if gpu else min(size, trainable))
-    step_temp = 4 * trainable // state_share  # torch's AdamW (foreach): one temporary per state tensor
-    if offload:  # FSDP2 CPU offload: shards, their gradients and AdamW live in host memory
-        plan.notes.append("fsdp_cpu_offload: the weight shards, gradients and optimizer states are in host memory")
-        weights = grads = optimizer = step_temp = 0
+        m.bucket = 4 * (size if gpu else min(size, trainable))
+    m.step_temp = 4 * trainable // state_share
+    if cfg.fsdp_cpu_offload and gpu:  # FSDP2 CPU offload: shards, their gradients and AdamW live in host memory
+        notes.append("fsdp_cpu_offload: the weight shards, gradients and optimizer states are in host memory")
+        m.weights = m.gradients = m.optimizer = m.step_temp = 0
+    return m
 
-    # --- one micro-batch's sequences
-    sampled = hasattr(cfg, "sampling_max_tokens")
+
+def _micro_batch(cfg, m: RankMemory, prompt_tokens: int | None, notes: list[str]) -> int:
+    """Rows of one micro-batch on a rank; sets ``m.seq`` (the longest prompt plus the new tokens)."""
     new_tokens = getattr(cfg, "sampling_max_tokens", 0)
     if prompt_tokens is None:
         prompt_tokens = longest_prompt(cfg)
     if prompt_tokens is None:
         max_len = getattr(cfg, "vllm_max_model_len", None)
         prompt_tokens = max_len - new_tokens if max_len and max_len > new_tokens else 512
-        plan.notes.append(f"prompts taken as {prompt_tokens} tokens: the data or tokenizer is not on this machine "
-                          "(--prompt-tokens to change)")
+        notes.append(f"prompts taken as {prompt_tokens} tokens: the data or tokenizer is not on this machine "
+                     "(--prompt-tokens to change)")
     else:
-        plan.notes.append(f"longest prompt: {prompt_tokens} tokens (--prompt-tokens to change)")
-    plan.seq_len = seq = min(prompt_tokens + new_tokens, shape.max_position_embeddings)
-    rows_per_rank = math.ceil(cfg.train_batch_size / world)
+        notes.append(f"longest prompt: {prompt_tokens} tokens (--prompt-tokens to change)")
+    m.seq = min(prompt_tokens + new_tokens, m.shape.max_position_embeddings)
+    rows_per_rank = math.ceil(cfg.train_batch_size / m.world)
     rows = math.ceil(rows_per_rank / max(1, getattr(cfg, "gradient_accumulation_steps", 1)))
-    if cfg.command == "dpo":
-        rows *= 2  # chosen and rejected
-    plan.micro_batch_rows = rows
+    return rows * cfg.rows_per_example
 
-    def update_extra(n_rows: int, checkpointing: bool) -> int:
-        """What an update adds on top of the persistent state for micro-batches of ``n_rows``."""
-        tokens = n_rows * seq
-        acts = tokens * shape.activation_bytes_per_token(checkpointing, bf16)
-        chunk = min(tokens, max(1, LOGITS_CHUNK_BYTES // (4 * shape.vocab_size)))
-        logits = 3 * chunk * shape.vocab_size * 4  # logits, log-softmax, softmax for the entropy (float32)
-        gathered = 0
-        if sharded_params and world > 1:  # one layer whole at a time (and the next one prefetched)
-            layer = (P - shape.vocab_size * shape.hidden_size) // shape.num_hidden_layers
-            gathered = 2 * 4 * layer
-        return acts + logits + gathered
 
-    # --- the rollout
-    engine = kv_cache = fused = 0
-    if vllm:
+def _sampler(cfg, m: RankMemory, hw: Hardware, notes: list[str]) -> None:
+    """The rollout's own terms: the colocated vLLM engine (its weights and KV cache), or the hf
+    backend's fused weights and KV cache."""
+    s = m.shape
+    if m.vllm:
         vdtype = cfg.vllm_dtype if cfg.vllm_dtype != "auto" else getattr(cfg, "dtype", "float32")
         vbytes = 2 if vdtype in ("bfloat16", "float16") else 4
-        engine = vbytes * P // cfg.vllm_tensor_parallel_size
-        if gpu:
-            kv_cache = max(0, int(cfg.vllm_gpu_memory_utilization * hw.memory) - engine)
+        m.engine = vbytes * s.n_params // cfg.vllm_tensor_parallel_size
+        if hw.kind == "gpu":
+            m.kv_cache = max(0, int(cfg.vllm_gpu_memory_utilization * hw.memory) - m.engine)
         else:
-            kv_cache = cfg.vllm_cpu_kvcache_space_gib * GiB
-        per_token = shape.kv_bytes_per_token(vbytes) // cfg.vllm_tensor_parallel_size
-        plan.notes.append(f"vLLM KV cache: {kv_cache // max(1, per_token):,} tokens "
-                          f"({kv_cache // max(1, per_token * seq)} sequences of {seq})")
-    elif sampled:
-        fused = shape.fused_sampler_bytes()
+            m.kv_cache = cfg.vllm_cpu_kvcache_space_gib * GiB
+        per_token = s.kv_bytes_per_token(vbytes) // cfg.vllm_tensor_parallel_size
+        notes.append(f"vLLM KV cache: {m.kv_cache // max(1, per_token):,} tokens "
+                     f"({m.kv_cache // max(1, per_token * m.seq)} sequences of {m.seq})")
+    elif hasattr(cfg, "sampling_max_tokens"):
+        m.fused = s.fused_sampler_bytes()
         batch = min(getattr(cfg, "rollout_max_batch_size", 256),
-                    math.ceil(getattr(cfg, "rollout_batch_size", getattr(cfg, "train_batch_size", 1)) / world))
-        kv_cache = batch * seq * shape.kv_bytes_per_token(2 if bf16 else 4) + batch * shape.vocab_size * 4
-    asleep = vllm and gpu and cfg.vllm_enable_sleep_mode  # level 1: weights offloaded, KV cache freed
+                    math.ceil(getattr(cfg, "rollout_batch_size", getattr(cfg, "train_batch_size", 1)) / m.world))
+        m.kv_cache = batch * m.seq * s.kv_bytes_per_token(2 if m.bf16 else 4) + batch * s.vocab_size * 4
+    m.asleep = m.vllm and hw.kind == "gpu" and cfg.vllm_enable_sleep_mode
 
-    tokens = rows * seq
-    acts = tokens * shape.activation_bytes_per_token(cfg.gradient_checkpointing, bf16)
+
+# ---------------------------------------------------------------- the phases: each one's peak per rank
+
+
+def setup_peak(m: RankMemory) -> int:
+    """Set-up, before the vLLM engine is built: the whole model loaded in fp32 (and copied for the
+    sampler and the reference) before any sharding."""
+    return 4 * m.shape.n_params + m.replica + m.reference
+
+
+def rollout_peak(m: RankMemory) -> int:
+    """The rollout: the vLLM engine, or the hf sampler's KV cache and fused weights (rebuilt beside the old)."""
+    return m.persistent + (m.engine + m.kv_cache if m.vllm else m.kv_cache + m.fused)
+
+
+def update_peak(m: RankMemory, rows: int, checkpointing: bool) -> int:
+    """The update: gradients, one micro-batch's activations and log-prob buffers, beside the engine."""
+    return m.persistent + m.live_gradients + m.update_extra(rows, checkpointing) + m.resident_engine
+
+
+def optimizer_step_peak(m: RankMemory) -> int:
+    """The optimizer step: AdamW's foreach temporaries beside the gradients."""
+    return m.persistent + m.live_gradients + m.step_temp + m.resident_engine
+
+
+def weight_sync_peak(m: RankMemory) -> int:
+    """The weight sync after the step: the full weights gathered from the shards (ZeRO-3 clones them
+    too; into vLLM one layer at a time), merged W + BA under LoRA; the engine awake to take them (its
+    KV cache still freed under sleep mode)."""
+    s, sync = m.shape, 0
+    P = s.n_params
+    if m.sharded_params and m.world > 1 and not m.vllm:
+        sync = 4 * P * (2 if m.stage == 3 else 1)
+    elif m.sharded_params and m.world > 1:  # one layer at a time
+        sync = 4 * (P - s.vocab_size * s.hidden_size) // s.num_hidden_layers
+    if m.lora and not m.vllm:
+        sync += int(4 * P * m.lora_fraction)  # merged W + BA, beside them
+    return m.persistent + sync + (m.engine + (0 if m.asleep else m.kv_cache) if m.vllm else 0)
+
+
+def phase_peaks(m: RankMemory, rows: int, checkpointing: bool) -> dict[str, int]:
+    return {"set-up": setup_peak(m), "rollout": rollout_peak(m), "update": update_peak(m, rows, checkpointing),
+            "optimizer step": optimizer_step_peak(m), "weight sync": weight_sync_peak(m)}
+
+
+def _largest_micro_batch(m: RankMemory, budget: int, checkpointing: bool) -> int:
+    """The most rows per micro-batch whose every phase fits ``budget`` (0: not even one), up to 2^16."""
+    def fits(rows: int) -> bool:
+        return max(phase_peaks(m, rows, checkpointing).values()) <= budget
+
+    best, n = 0, 1
+    while n <= 1 << 16 and fits(n):
+        best, n = n, n * 2
+    lo, hi = best, min(n, 1 << 16)
+    while best and hi - lo > 1:  # binary search between the last power of two that fits and the next
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if best else 0
+
+
+def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: int | None = None) -> Plan:
+    """The memory plan of ``cfg`` (any trainer's config) on ``hw``: the terms, each phase's peak, and
+    the largest micro-batch that fits (also with gradient checkpointing, when the run has it off)."""
+    shape, source = model_shape(cfg.model, architecture)
+    plan = Plan(shape, source, hw)
+    m = _resident(cfg, shape, hw, plan.notes)
+    rows = plan.micro_batch_rows = _micro_batch(cfg, m, prompt_tokens, plan.notes)
+    plan.seq_len = m.seq
+    _sampler(cfg, m, hw, plan.notes)
+    ckpt = cfg.gradient_checkpointing
+    acts = rows * m.seq * shape.activation_bytes_per_token(ckpt, m.bf16)
     plan.terms = {
-        "weights": weights,
-        "gradients": grads,
-        "optimizer states (AdamW)": optimizer,
-        "sampler's weight copy": replica,
-        "sampler's fused q/k/v, gate/up (hf)": fused,
-        "ZeRO-3 gradient bucket": bucket,
-        "reference model": reference,
+        "weights": m.weights,
+        "gradients": m.gradients,
+        "optimizer states (AdamW)": m.optimizer,
+        "sampler's weight copy": m.replica,
+        "sampler's fused q/k/v, gate/up (hf)": m.fused,
+        "ZeRO-3 gradient bucket": m.bucket,
+        "reference model": m.reference,
         "activations": acts,
-        "log-prob buffers, gathered layers": update_extra(rows, cfg.gradient_checkpointing) - acts,
-        "vLLM weights": engine,
-        "KV cache": kv_cache,
-        "activations (other setting)": tokens * shape.activation_bytes_per_token(not cfg.gradient_checkpointing, bf16),
+        "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts,
+        "vLLM weights": m.engine,
+        "KV cache": m.kv_cache,
+        "activations (other setting)": rows * m.seq * shape.activation_bytes_per_token(not ckpt, m.bf16),
     }
-
-    persistent = weights + replica + fused + bucket + reference + optimizer + (grads if stage else 0)
-    resident_engine = 0 if asleep else engine + (kv_cache if vllm else 0)
-    setup_peak = 4 * P + replica + reference  # the whole model, loaded (and copied) before any sharding
-    sync = 0
-    if sharded_params and world > 1 and not vllm:
-        sync = 4 * P * (2 if stage == 3 else 1)  # gathered full weights (ZeRO-3 clones them too)
-    elif sharded_params and world > 1:
-        sync = 4 * (P - shape.vocab_size * shape.hidden_size) // shape.num_hidden_layers  # one layer at a time
-    if lora and not vllm:
-        sync += int(4 * P * shape.lora_weight_fraction(cfg.lora_target_modules))  # merged W + BA, beside them
-
-    def phases(n_rows: int, checkpointing: bool) -> dict[str, int]:
-        return {
-            "set-up": setup_peak,  # before the vLLM engine is built
-            "rollout": persistent + (engine + kv_cache if vllm else kv_cache + fused),  # fused: rebuilt beside the old
-            "update": persistent + grads * (0 if stage else 1) + update_extra(n_rows, checkpointing) + resident_engine,
-            "optimizer step": persistent + grads * (0 if stage else 1) + step_temp + resident_engine,
-            # the engine is awake to take the new weights (its KV cache still freed under sleep mode)
-            "weight sync": persistent + sync + (engine + (0 if asleep else kv_cache) if vllm else 0),
-        }
-
-    plan.phases = phases(rows, cfg.gradient_checkpointing)
-    budget = hw.memory - OVERHEAD[hw.kind]
-    for ckpt in (cfg.gradient_checkpointing, True):
-        best, n = 0, 1
-        while n <= 1 << 16 and max(phases(n, ckpt).values()) <= budget:
-            best, n = n, n * 2
-        lo, hi = best, min(n, 1 << 16)
-        while best and hi - lo > 1:  # binary search between the last power of two that fits and the next
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if max(phases(mid, ckpt).values()) <= budget else (lo, mid)
-        plan.max_micro_batch["with checkpointing" if ckpt else "without checkpointing"] = lo if best else 0
-        if cfg.gradient_checkpointing:
-            break
+    plan.phases = phase_peaks(m, rows, ckpt)
+    for checkpointing in (ckpt, True) if not ckpt else (True,):
+        name = "with checkpointing" if checkpointing else "without checkpointing"
+        plan.max_micro_batch[name] = _largest_micro_batch(m, hw.memory - OVERHEAD[hw.kind], checkpointing)
     return plan
 
 
@@ -464,10 +361,6 @@ def format_plan(plan: Plan, cfg) -> str:
 def config_for_plan(trainers: dict, path, overrides: dict, method: str | None = None):
     """The config of ``path`` under the trainer it belongs to: ``method``, else the one whose steps
     key (``n_grpo_steps``, ``n_sft_steps``, ...) the file holds, else the first that accepts it."""
-    import yaml
-
-    from .config import ConfigError
-
     if method is not None:
         if method not in trainers:
             raise ConfigError(f"--method: unknown {method!r}; expected one of {', '.join(trainers)}")

@@ -10,6 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .run_dir import TENSORBOARD_DIR
+
 
 class MetricsLogger:
     """Appends one JSON object per record to ``metrics.jsonl``; mirrors to TensorBoard and W&B when
@@ -30,7 +32,7 @@ class MetricsLogger:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
-                    self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+                    self._tb = SummaryWriter(str(self.path.parent / TENSORBOARD_DIR))
                 except ImportError:
                     print("grpolab: tensorboard is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
             elif target == "wandb":
@@ -76,8 +78,9 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_grpo_run(metrics_path: Path, out: Path, title: str = "GRPO", step_key: str = "grpo_step") -> Path:
-    """A PNG of rollout reward and validation accuracy per step, from ``metrics.jsonl``."""
+def plot_reward_curves(metrics_path: Path, out: Path, title: str, step_key: str) -> Path:
+    """A PNG of rollout reward (``train/reward``) and validation accuracy (``eval/accuracy``) per outer
+    step (``step_key``: the run's, e.g. ``grpo_step``), from ``metrics.jsonl``."""
     import matplotlib
 
     matplotlib.use("Agg")

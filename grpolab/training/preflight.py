@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any, Iterable
 
+from ..rewards.isolation import child_sys_path, describe_exit
 from .config import ConfigError
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -41,8 +42,6 @@ def probe_import(spec: str, what: str, timeout_s: float | None = None) -> None:
     """Import ``spec``'s module (``"pkg.mod:fn"``) in a supervised child; raise a one-line
     ``ConfigError`` naming ``what`` and the module if it blocks past ``timeout_s`` or ends the
     process. An ordinary import error passes (the in-process import reports it)."""
-    from ..rewards.isolation import child_sys_path, describe_exit
-
     module = spec.partition(":")[0].strip()
     if not module:
         return

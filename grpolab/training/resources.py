@@ -136,9 +136,8 @@ def _probe_seconds(threads: int, repeats: int = 3, calls: int = 30) -> float:
     import time
 
     torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(
-        0
-    )  # not the global generator: a seeded run draws the same with or without a probe
+    # not the global generator: a seeded run draws the same with or without a probe
+    g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 576, generator=g), torch.randn(1536, 576, generator=g)
     for _ in range(3):  # the thread pool started and warm
         torch.nn.functional.linear(x, w)

@@ -2,13 +2,12 @@
 
 A trainer holds only its algorithm; the ``Run`` holds everything around it:
 
-- the run directory (``config.yaml``, ``metrics.jsonl``, ``samples/``, ``checkpoints/step_N/``,
-  ``final/``) — refused if it already holds a run, unless resuming or ``overwrite``, and always
-  refused while another process holds its lock (``.lock``: one writer per run directory, held by
-  rank 0 for the run's lifetime, naming the holder's pid); nothing in it is touched before every
-  input, the model, the tool environment and the checkpoint to resume from have been checked;
-- the model: from the newest readable checkpoint when resuming, else the one given, else
-  ``cfg.model``; seeded, on its device, dropout disabled (``disable_dropout``);
+- the run directory (``run_dir.py``: its files, its lock, the checks) — claimed first, and
+  touched only once every input, the model, the tool environment and the checkpoint to resume
+  from have been checked;
+- the model (``run_setup.py``): from the newest readable checkpoint when resuming, else the one
+  given, else ``cfg.model``; seeded, on its device, dropout disabled; under its engine and LoRA
+  (``run_model.py``);
 - every state a trainer registers with ``track`` (optimizer, scheduler, data position, KL
   controller, health streaks, RNG generators, extra models), saved in atomic checkpoints and
   restored on ``--resume`` so a resumed run equals an uninterrupted one;
@@ -19,8 +18,6 @@ A trainer holds only its algorithm; the ``Run`` holds everything around it:
 
 from __future__ import annotations
 
-import contextlib
-import random
 import signal
 import sys
 import threading
@@ -32,24 +29,15 @@ from typing import Any, Callable
 import torch
 
 from ..eval import evaluate, log_generations
-from ..models import load_model_and_tokenizer, set_logits_fp32
+from ..models import load_model_and_tokenizer
+from ..rollout.vllm import check_vllm_options
 from . import distributed
-from .checkpoints import (  # noqa: F401
-    RUN_FILES,
-    CheckpointManager,
-    RunDirBusy,
-    RunLock,
-    atomic_write_text,
-    check_run_dir,
-    clear_run_dir,
-    holds_a_run,
-    remove_leftovers,
-)
-from .config import ConfigError, resume_changes
+from .checkpoints import CheckpointManager, find_resume_checkpoint
 from .metric_logging import MetricsLogger, progress
 from .optimization import StepResult, current_lr
-from .resources import choose_cpu_threads
-from .run_model import RunModel, check_distributed, frozen_copy  # noqa: F401 - re-exported for the trainers
+from .run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, PLOT_FILE, SAMPLES_DIR, claim_run_dir, prepare_run_dir
+from .run_model import RunModel, check_distributed
+from .run_setup import autocast_for, build_run_env, load_run_model, resolve_device, seed_everything, set_cpu_threads
 
 
 class RunInterrupted(Exception):
@@ -70,44 +58,6 @@ class TrainResult:
     filtered_sizes: list[int] = field(default_factory=list)  # expert iteration: kept responses per step
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python, torch (and numpy when present) in one place; optionally deterministic kernels."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover
-        pass
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def autocast_for(dtype: str, device: torch.device | str):
-    """bf16 autocast (weights stay fp32) where asked, else a no-op context."""
-    if dtype == "bfloat16":
-        device_type = torch.device(device).type
-        return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout off everywhere (TRL's convention): log-probs that enter a ratio or a KL must be of
-    the same distribution the sampler drew from."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
 class Run:
     """See the module docstring. The config's ``step_key`` names the trainer's outer step in the
     metrics (``grpo_step``, ``ppo_step``, ...) and ``total_steps`` is its length; ``check_inputs(model,
@@ -121,7 +71,7 @@ class Run:
         self.wall = time.perf_counter()
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
-        self._lock, self._made_dir = None, False
+        self.claim = None  # the run directory's lock (rank 0), taken before anything in it is touched
         self.dist = distributed.setup(
             cfg.distributed,
             resolve_device(cfg.device),
@@ -131,89 +81,35 @@ class Run:
         self.is_main = self.dist.is_main
         try:
             check_distributed(cfg, self.dist)
-            check_run_dir(self.path, resume=True, overwrite=True)  # a writable directory (or place for one)
-            self._take_lock(resume, overwrite)  # one writer per run directory, before anything in it is touched
-            check_run_dir(self.path, resume, overwrite)  # again, now that no other process can write it
+            self.claim = claim_run_dir(self.path, resume, overwrite, self.is_main)  # one writer per run directory
             self._start(cfg, resume, overwrite, model, tokenizer, check_inputs)
         except BaseException:
-            self._drop_lock(started=False)
+            if self.claim is not None:
+                self.claim.release(started=False)
             distributed.teardown(barrier=False)  # this rank may be the only one failing: never wait for the others
             raise
 
-    def _take_lock(self, resume: bool, overwrite: bool) -> None:
-        """Rank 0 takes ``run_dir/.lock`` (creating the directory if need be); a directory a live
-        process holds is refused on every rank with the holder's pid, one that holds a run (without
-        ``--resume``/``--overwrite``) with the usual hint — both before anything is created."""
-        error = None
-        if self.is_main:
-            try:
-                RunLock(self.path).check_free()
-                check_run_dir(self.path, resume, overwrite)
-                if not self.path.exists():
-                    self.path.mkdir(parents=True)
-                    self._made_dir = True
-                self._lock = RunLock(self.path).acquire()
-            except ConfigError as exc:
-                error = str(exc)
-            except OSError as exc:
-                error = f"run_dir {self.path}: cannot create it ({exc.strerror or exc})"
-        error = distributed.broadcast_object(error)
-        if error is not None:
-            self._drop_lock(started=False)
-            raise RunDirBusy(error) if "is in use by" in error else ConfigError(error)
-
-    def _drop_lock(self, started: bool = True) -> None:
-        """Release the lock; a directory this run created and never used is removed again."""
-        if self._lock is not None:
-            self._lock.release(remove=not started)
-            self._lock = None
-        if self._made_dir and not started:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()
-            self._made_dir = False
-
     def _start(self, cfg, resume, overwrite, model, tokenizer, check_inputs) -> None:
-        self.ckpts = CheckpointManager(self.path / "checkpoints", cfg.keep_last)
-        self.resumed_from, self.state = None, None
-        if resume:
-            self._find_checkpoint(cfg)
+        self.ckpts = CheckpointManager(self.path / CHECKPOINTS_DIR, cfg.keep_last)
+        self.resumed_from, self.state = find_resume_checkpoint(self.ckpts, cfg, self.path) if resume else (None, None)
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = distributed.device_for(resolve_device(cfg.device))
-        if self.device.type == "cpu":  # no probe per torchrun rank, nor in a deterministic run
-            _, line = choose_cpu_threads(cfg.threads, probe=not (cfg.deterministic or self.dist.enabled))
-            if line:
-                print(f"grpolab: {line}", file=sys.stderr)
-        gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
-        if self.resumed_from is not None:
-            model, tokenizer = self._load_model(str(self.resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
-        elif model is None:
-            model, tokenizer = self._load_model(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
-        if cfg.disable_dropout:
-            disable_dropout(model)
-        if getattr(cfg, "logits_fp32", False):  # before any copy (sampler replica, reference) is made
-            set_logits_fp32(model)
-        self.tokenizer = tokenizer
+        # no thread probe per torchrun rank, nor in a deterministic run
+        set_cpu_threads(cfg, self.device, probe=not (cfg.deterministic or self.dist.enabled))
+        model, self.tokenizer = load_run_model(cfg, self._load_model, self.resumed_from, model, tokenizer)
         # the engine (DDP/FSDP2/DeepSpeed), LoRA, and the plain copy the sampler draws from
         self.weights = RunModel(cfg, model.to(self.device), self.device, self.state)
         self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
             check_inputs(self.sampling_model, self.tokenizer, self.device)
-        self.env = self._build_env(cfg)  # the tools, the retrieval index: built before the directory is touched
+        self.env = build_run_env(cfg, self.tokenizer)  # tools, retrieval index: built before the directory is touched
         if getattr(cfg, "rollout_backend", "hf") == "vllm":  # the backend's options, before anything is touched
-            from ..rollout.vllm import check_vllm_options
-
             check_vllm_options(**cfg.backend_options())
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
         if self.is_main:
-            if overwrite and not resume:
-                clear_run_dir(self.path)
-            self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "samples").mkdir(exist_ok=True)
-            remove_leftovers(self.path)
-            remove_leftovers(self.ckpts.root)
-            atomic_write_text(self.path / "config.yaml", _yaml(cfg.to_dict()))
-        self.metrics_path = self.path / "metrics.jsonl"
+            prepare_run_dir(self.path, cfg.to_dict(), clear=overwrite and not resume)
+        self.metrics_path = self.path / METRICS_FILE
         if self.state is None and self.is_main:
             self.metrics_path.write_text("")
         self.logger = MetricsLogger(self.metrics_path, cfg.report_to, run_name=self.path.name, config=cfg.to_dict(),
@@ -235,38 +131,6 @@ class Run:
         )
         if self.state is not None:  # after the model is loaded: nothing below may draw from it before the loop
             torch.set_rng_state(self._rank_rng()["torch"])
-
-    def _build_env(self, cfg):
-        """The run's tool environment (``env:``), or None: its tools, custom tool modules and
-        retrieval index are built (and so checked) before the run directory is touched."""
-        options = getattr(cfg, "env", None)
-        if options is None:
-            return None
-        from ..envs import build_env
-
-        return build_env(**options, tokenizer=self.tokenizer)
-
-    def _find_checkpoint(self, cfg) -> None:
-        """The newest readable checkpoint, chosen by rank 0 (which alone moves unreadable ones aside)."""
-        found = None
-        if self.is_main:
-            remove_leftovers(self.ckpts.root)
-            found = self.ckpts.latest_loadable()
-        path = distributed.broadcast_object(str(found[0]) if found else None)
-        if path is None:
-            raise ConfigError(f"{self.path}: nothing to resume (no readable checkpoint in {self.ckpts.root})")
-        self.resumed_from = Path(path)
-        self.state = found[1] if found else self.ckpts.load_state(self.resumed_from)
-        changes = resume_changes(self.state.get("config", {}), cfg.to_dict(), cfg.steps_field)
-        if changes.refused:
-            raise ConfigError(f"--resume {self.path}: the run's config cannot change on resume: {changes.refused} "
-                              f"(only {', '.join(changes.allowed_keys)} may)")
-        done = int(self.state.get("counters", {}).get("step", 0))
-        if done > cfg.total_steps:
-            raise ConfigError(f"--resume {self.path}: the run has done {done} steps, more than "
-                              f"{cfg.steps_field} {cfg.total_steps}; give at least {done}")
-        if self.is_main:
-            print(f"grpolab: resuming from {self.resumed_from}", file=sys.stderr)
 
     def _rank_rng(self) -> dict:
         """This rank's saved RNG states (each rank samples its own prompts with its own streams)."""
@@ -408,10 +272,10 @@ class Run:
                plot: Callable[[Path, Path], Any] | None = None, **result) -> TrainResult:
         """Save ``final/`` atomically, close the metrics, plot, and return the ``TrainResult``."""
         self.weights.refresh()
-        final = self.weights.save_final(self.tokenizer, self.path / "final", extra_files)
+        final = self.weights.save_final(self.tokenizer, self.path / FINAL_DIR, extra_files)
         self.close()
         if plot is not None:
-            plot(self.metrics_path, self.path / "curves.png")
+            plot(self.metrics_path, self.path / PLOT_FILE)
         return TrainResult(self.path, final, self.metrics_path, after, time.perf_counter() - self.wall,
                            before=before, **result)
 
@@ -425,19 +289,13 @@ class Run:
             signal.signal(signal.SIGINT, self._old_sigint)
             self._old_sigint = None
         distributed.teardown(barrier=not failed)
-        self._drop_lock()
+        self.claim.release()
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(failed=exc_type is not None)
-
-
-def _yaml(data: dict) -> str:
-    import yaml
-
-    return yaml.safe_dump(data, sort_keys=False)
 
 
 def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], dict[str, float]]:
@@ -454,7 +312,7 @@ def validation(run: Run, backend, inputs, cfg, scorer=None) -> Callable[[int], d
                           scorer=scorer if reward is None else None)
         extra = {}
         if cfg.log_generations_samples and run.is_main:
-            extra = log_generations(run.path / "samples" / f"eval_step_{step}.jsonl", result, step,
+            extra = log_generations(run.path / SAMPLES_DIR / f"eval_step_{step}.jsonl", result, step,
                                     run.weights.sampling_model, run.tokenizer, cfg.log_generations_samples)
         return distributed.mean_metrics({**result.metrics, **extra}, weight=len(evals))
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..models import lora
-from . import distributed
+from . import distributed, sharded_optimizer
 from .checkpoints import atomic_directory, save_final
 from .config import ConfigError
 from .optimization import StepResult, optimizer_step
@@ -124,7 +124,7 @@ class RunModel:
         if self.dist.strategy == "deepspeed":
             self.model = distributed.wrap_optimizer(self.model, optimizer, self.cfg.max_grad_norm)
         if resumed_from is not None:
-            distributed.load_sharded_optimizer(self.model, optimizer, resumed_from)
+            sharded_optimizer.load_sharded_optimizer(self.model, optimizer, resumed_from)
 
     def optimizer_step(self, parameters_of, optimizer, scheduler, loss) -> StepResult:
         self.stale = True
@@ -152,7 +152,7 @@ class RunModel:
 
     def save_sharded(self, directory: Path) -> None:
         if self.optimizer is not None:
-            distributed.save_sharded_optimizer(self.model, self.optimizer, directory)
+            sharded_optimizer.save_sharded_optimizer(self.model, self.optimizer, directory)
 
     def save_final(self, tokenizer, target: Path, extra=None) -> Path:
         """``final/``: an ordinary Hugging Face directory written by rank 0. With LoRA: the adapter
@@ -201,18 +201,18 @@ def check_distributed(cfg, dist) -> None:
     world = dist.world_size
     if world == 1:
         return
-    if cfg.command == "ppo":
-        # the engine wraps the policy before PPO adds its critic: the value head's gradients would
+    if cfg.trains_value_head:
+        # the engine wraps the policy before the method adds its critic: the value head's gradients would
         # never be averaged (each rank's critic would drift apart) and GAE whitening would see one rank
-        raise ConfigError(f"distributed: {cfg.distributed}: ppo's value head is trained outside the engine's wrapping "
-                          "(its gradients would not be averaged over ranks); use distributed: none")
-    group = getattr(cfg, "group_size", 1) if cfg.command == "grpo" else 1
+        raise ConfigError(f"distributed: {cfg.distributed}: {cfg.command}'s value head is trained outside the "
+                          "engine's wrapping (its gradients would not be averaged over ranks); use distributed: none")
+    group = getattr(cfg, "group_size", 1) if cfg.groups_on_one_rank else 1
     rollout = getattr(cfg, "rollout_batch_size", None)
-    if cfg.command == "grpo" and rollout % (group * world):
+    if cfg.groups_on_one_rank and rollout % (group * world):
         raise ConfigError(f"rollout_batch_size ({rollout}) must be divisible by group_size x processes "
                           f"({group} x {world}): each group stays on one rank")
     per_rank = getattr(cfg, "train_batch_size", world)
-    accumulation = 1 if cfg.command == "grpo" else getattr(cfg, "gradient_accumulation_steps", 1)
+    accumulation = 1 if cfg.uneven_micro_batches else getattr(cfg, "gradient_accumulation_steps", 1)
     if per_rank % (world * accumulation):
         raise ConfigError(f"train_batch_size ({per_rank}) must be divisible by processes x gradient_accumulation_steps "
                           f"({world} x {accumulation})")

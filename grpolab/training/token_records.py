@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-RECORDS_FILE = "tokens.jsonl"
-STAT_KEYS = ("entropy", "ratio", "clipped")  # what the update fills in (gradients.accumulate_policy_gradient)
+from .run_dir import RECORDS_FILE
+
+STAT_KEYS = ("entropy", "ratio", "clipped")  # what the policy update fills in (grpo_update.accumulate_policy_gradient)
 
 
 def empty_stats(shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -105,13 +106,3 @@ def sampler_log_probs(rollouts, shape: tuple[int, ...]) -> torch.Tensor:
         out[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs)
     return out
 
-
-def grpo_per_token(batch, update, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The per-token figures of a GRPO step: the sampler's log-probs, the trainer's before the
-    update (every row where old log-probs were computed, else the rows the update forwarded), and
-    the update's entropy, ratio and clip flags."""
-    if batch.pre_update_log_probs is not None:
-        trainer = batch.pre_update_log_probs
-    else:
-        trainer = torch.where(update.trained.unsqueeze(1), update.trainer_lp, torch.tensor(float("nan")))
-    return {"sampler_lp": batch.sampler_log_probs, "trainer_lp": trainer, **stats}

@@ -16,7 +16,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ..training.token_records import RECORDS_FILE
+from ..training.run_dir import CONFIG_FILE, METRICS_FILE, RECORDS_FILE, VIEW_FILE
 
 MAX_POINTS = 600  # points per curve
 MAX_STEPS = 200  # recorded steps embedded in the page ...
@@ -78,16 +78,16 @@ def curves(records: list[dict], step_key: str) -> dict[str, list[list[float]]]:
 def load_run(run_dir: str | Path) -> dict:
     """A run directory's config, curves and (a sample of) its per-token records, as the page's data."""
     path = Path(run_dir)
-    metrics = path / "metrics.jsonl"
+    metrics = path / METRICS_FILE
     if not path.is_dir():
         raise ViewError(f"{path}: no such run directory")
     if not metrics.is_file():
-        inside = sorted(str(p.parent) for p in path.glob("*/metrics.jsonl"))
+        inside = sorted(str(p.parent) for p in path.glob(f"*/{METRICS_FILE}"))
         hint = f"; runs inside it: {', '.join(inside)}" if inside else ""
-        raise ViewError(f"{path}: no metrics.jsonl (not a run directory){hint}")
+        raise ViewError(f"{path}: no {METRICS_FILE} (not a run directory){hint}")
     records = _read_jsonl(metrics)
     step_key = _step_key(records)
-    config = path / "config.yaml"
+    config = path / CONFIG_FILE
     steps: dict[int, list[dict]] = {}
     if (path / RECORDS_FILE).is_file():
         for group in _read_jsonl(path / RECORDS_FILE):
@@ -124,7 +124,7 @@ def render(run_dirs: list[str | Path]) -> str:
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
     """Write the page (default: ``view.html`` in the first run directory) and return its path."""
-    out = Path(out) if out is not None else Path(run_dirs[0]) / "view.html"
+    out = Path(out) if out is not None else Path(run_dirs[0]) / VIEW_FILE
     text = render(run_dirs)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.training.token_records import RECORDS_FILE
+from grpolab.training.run_dir import RECORDS_FILE
 from grpolab.viewer import write_report
 
 TOKENS = "[...document.querySelectorAll('#groups .tok')]"

@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
 from benchmarks import memory as bench  # noqa: E402
 from grpolab.algorithms.grpo import GRPOConfig  # noqa: E402
 from grpolab.training.config import parse_overrides  # noqa: E402
-from grpolab.training.memory_plan import GiB, Hardware, MiB, estimate  # noqa: E402
+from grpolab.training.memory_plan import estimate  # noqa: E402
+from grpolab.training.plan_inputs import GiB, Hardware, MiB  # noqa: E402
 
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
 # (benchmarks/memory.py's row, LoRA, extra overrides): its rows, and two where activations dominate

@@ -16,7 +16,8 @@ import yaml
 
 from grpolab.algorithms.grpo import GRPOConfig
 from grpolab.training.config import ConfigError
-from grpolab.training.memory_plan import GiB, Hardware, estimate
+from grpolab.training.memory_plan import estimate
+from grpolab.training.plan_inputs import GiB, Hardware
 from tests.helpers.torchrun import ROOT, _env, torchrun
 
 RECIPES = {  # recipe -> (GPUs, GiB each, processes of the CPU run)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.training import distributed
+from grpolab.training import distributed, sharded_optimizer
 from grpolab.training.checkpoints import STATE_FILE, CheckpointManager
 from grpolab.training.config import ConfigError
 
@@ -76,7 +76,7 @@ def test_a_crafted_dcp_metadata_does_not_run_on_fsdp2_resume(tmp_path, as_strate
     marker = tmp_path / "MARKER"
     write_pickle(tmp_path / "ckpt" / "optimizer" / ".metadata", marker)
     with pytest.raises(ValueError) as err:
-        distributed.load_sharded_optimizer(model, optimizer, tmp_path / "ckpt")
+        sharded_optimizer.load_sharded_optimizer(model, optimizer, tmp_path / "ckpt")
     assert not marker.exists(), "the crafted .metadata ran"
     assert "refused" in one_line(err.value) and "posix.system" in str(err.value)
 
@@ -84,11 +84,11 @@ def test_a_crafted_dcp_metadata_does_not_run_on_fsdp2_resume(tmp_path, as_strate
 def test_fsdp2_optimizer_shards_round_trip_through_the_safe_reader(tmp_path, as_strategy):
     as_strategy("fsdp2")
     model, optimizer = tiny_optimizer()
-    distributed.save_sharded_optimizer(model, optimizer, tmp_path)
+    sharded_optimizer.save_sharded_optimizer(model, optimizer, tmp_path)
     fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
     model(torch.randn(2, 3)).sum().backward()
     fresh.step()  # state exists, and differs
-    distributed.load_sharded_optimizer(model, fresh, tmp_path)
+    sharded_optimizer.load_sharded_optimizer(model, fresh, tmp_path)
     a, b = optimizer.state_dict(), fresh.state_dict()
     assert a["param_groups"] == b["param_groups"]  # non-tensor items (read with weights_only=True)
     for k in a["state"]:
@@ -114,7 +114,7 @@ def test_a_crafted_deepspeed_state_does_not_run_on_resume(tmp_path, as_strategy)
     state.mkdir(parents=True)
     torch.save({"module": Payload(marker)}, state / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     with pytest.raises(ValueError) as err:
-        distributed.load_sharded_optimizer(None, None, tmp_path / "ckpt")
+        sharded_optimizer.load_sharded_optimizer(None, None, tmp_path / "ckpt")
     assert not marker.exists(), "the crafted DeepSpeed state ran"
     assert "refused" in one_line(err.value)
     assert Engine.checkpoint_engine.load.__func__ is TorchCheckpointEngine.load  # put back
@@ -144,7 +144,7 @@ def _fsdp2_checkpoint(root: Path, n: int, model, optimizer) -> Path:
     step.mkdir(parents=True)
     _model_file(step)
     torch.save({"config": {"distributed": "fsdp2"}, "counters": {"step": n}}, step / STATE_FILE)
-    distributed.save_sharded_optimizer(model, optimizer, step)
+    sharded_optimizer.save_sharded_optimizer(model, optimizer, step)
     return step
 
 
@@ -279,7 +279,7 @@ def test_a_live_run_directory_is_refused_to_a_second_run_resume_and_overwrite(tm
 
 def test_the_lock_is_released_after_a_failed_and_a_finished_run_in_one_process(tmp_path):
     from grpolab.algorithms.sft import SFTConfig, train_sft
-    from grpolab.training.checkpoints import RunLock
+    from grpolab.training.run_dir import RunLock
 
     run_dir = tmp_path / "run"
     cfg = SFTConfig.build(ROOT / "configs" / "sft_tiny.yaml", {

@@ -90,7 +90,7 @@ def test_load_sft_inputs_from_task_solutions():
 
 def test_load_sft_inputs_from_cs336_pairs(tmp_path):
     data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"P{i}", "response": f"R{i}", "ground_truth": str(i)}
-                                          for i in range(3)])
+                                           for i in range(3)])
     pairs, inputs = load_sft_inputs(SFTConfig(task=None, train_data=data))
     assert [(p.prompt, p.response, p.ground_truth) for p in pairs] == [(f"P{i}", f"R{i}", str(i)) for i in range(3)]
     assert inputs.train == pairs and inputs.evals == []

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from grpolab.algorithms.grpo import GRPOConfig
-from grpolab.training.memory_plan import ARCHITECTURES, GiB, Hardware, ModelShape, estimate, model_shape
+from grpolab.training.memory_plan import estimate
+from grpolab.training.plan_inputs import ARCHITECTURES, GiB, Hardware, ModelShape, model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 

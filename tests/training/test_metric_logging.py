@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from grpolab.training.metric_logging import MetricsLogger, plot_grpo_run, progress, read_metrics
+from grpolab.training.metric_logging import MetricsLogger, plot_reward_curves, progress, read_metrics
 
 
 def test_logger_writes_one_json_object_per_record(tmp_path):
@@ -65,13 +65,13 @@ def test_unknown_report_target_is_refused(tmp_path):
         MetricsLogger(tmp_path / "m.jsonl", report_to=["mlflow"])
 
 
-def test_plot_grpo_run_draws_reward_and_accuracy(tmp_path):
+def test_plot_reward_curves_draws_reward_and_accuracy(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsLoggerContext(path) as logger:
         for step in range(4):
             logger.log({"train_step": step, "grpo_step": step, "train/reward": step / 4})
         logger.log({"eval_step": 0, "grpo_step": 4, "eval/accuracy": 0.5})
-    out = plot_grpo_run(path, tmp_path / "curves.png", title="t")
+    out = plot_reward_curves(path, tmp_path / "curves.png", title="t", step_key="grpo_step")
     assert out == tmp_path / "curves.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
 

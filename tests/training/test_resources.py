@@ -1,4 +1,4 @@
-"""Resources bounded up front (algorithms/resources.py): prompts fit the context, the rollout's KV
+"""Resources bounded up front (training/resources.py): prompts fit the context, the rollout's KV
 cache fits memory, a group larger than the batch bound is sampled in parts."""
 
 import json

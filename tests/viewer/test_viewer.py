@@ -13,7 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from grpolab.algorithms.grpo import train_grpo
-from grpolab.training.token_records import RECORDS_FILE, TokenRecorder
+from grpolab.training.run_dir import RECORDS_FILE
+from grpolab.training.token_records import TokenRecorder
 from grpolab.viewer import ViewError, load_run, make_server, render, report
 from grpolab.viewer.report import MAX_POINTS, MAX_STEPS, curves
 

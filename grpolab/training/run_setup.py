@@ -1,0 +1,86 @@
+"""What a ``Run`` sets up before its directory is touched: the seeds (in one place), the device and
+the CPU threads, the model — from the checkpoint it resumes from, else the one given, else
+``cfg.model`` — with dropout off, bf16 autocast, and the tool environment."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+
+import torch
+
+from ..envs import build_env
+from ..models import set_logits_fp32
+from .resources import choose_cpu_threads
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, torch (and numpy when present) in one place; optionally deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def autocast_for(dtype: str, device: torch.device | str):
+    """bf16 autocast (weights stay fp32) where asked, else a no-op context."""
+    if dtype == "bfloat16":
+        device_type = torch.device(device).type
+        return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
+    """On a CPU: torch's threads (``cfg.threads``, else what a short probe finds faster, when ``probe``)."""
+    if device.type == "cpu":
+        _, line = choose_cpu_threads(cfg.threads, probe=probe)
+        if line:
+            print(f"grpolab: {line}", file=sys.stderr)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere (TRL's convention): log-probs that enter a ratio or a KL must be of
+    the same distribution the sampler drew from."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def load_run_model(cfg, load_model, resumed_from=None, model=None, tokenizer=None):
+    """(model, tokenizer): from the checkpoint ``resumed_from``, else ``model`` as given, else
+    ``cfg.model`` (by ``load_model(path, **options)``); dropout off and the head in fp32 as the config
+    asks, before any copy (sampler replica, reference) is made."""
+    gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
+    if resumed_from is not None:
+        model, tokenizer = load_model(str(resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
+    elif model is None:
+        model, tokenizer = load_model(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    if getattr(cfg, "logits_fp32", False):
+        set_logits_fp32(model)
+    return model, tokenizer
+
+
+def build_run_env(cfg, tokenizer):
+    """The run's tool environment (``env:``), or None: its tools, custom tool modules and
+    retrieval index are built (and so checked) before the run directory is touched."""
+    options = getattr(cfg, "env", None)
+    if options is None:
+        return None
+    return build_env(**options, tokenizer=tokenizer)
