@@ -1,26 +1,8 @@
 """The training methods, one file each (``<method>.py``, with ``<method>_*.py`` helpers private to
 it): the file opens with the method's ``Config`` and ends with its ``train_<method>``. ``METHODS``
-names them for the command line, which imports a method only when it runs it."""
+names them for the command line (``training.method.Method``), which imports a method only when it runs it."""
 
-from __future__ import annotations
-
-import importlib
-from typing import NamedTuple
-
-
-class Method(NamedTuple):
-    """A training command: the module holding it, its config class and trainer, and its ``--help``."""
-
-    module: str
-    config: str
-    trainer: str
-    help: str
-
-    def load(self):
-        """``(config class, trainer function)``, importing the method's module."""
-        module = importlib.import_module(self.module)
-        return getattr(module, self.config), getattr(module, self.trainer)
-
+from ..training.method import Method
 
 METHODS = {
     "grpo": Method("grpolab.algorithms.grpo", "GRPOConfig", "train_grpo",

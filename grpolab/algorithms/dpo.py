@@ -20,10 +20,11 @@ from ..data import PreferencePair, is_conversation, render_chat
 from ..models import sum_response_log_probs
 from ..training import distributed
 from ..training.batching import ExampleSampler
-from ..training.config import RunConfig
 from ..training.inputs import load_preference_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
-from ..training.run import Run, TrainResult, frozen_copy
+from ..training.run import Run, TrainResult
+from ..training.run_config import RunConfig
+from ..training.run_model import frozen_copy
 
 ALPACA_TEMPLATE = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
@@ -44,17 +45,30 @@ def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: st
 
 
 class DPOConfig(RunConfig):
+    """DPO's fields (Rafailov et al. 2023; CS336 A5 supplement)."""
+
     command, steps_field, step_key = "dpo", "n_dpo_steps", "dpo_step"
+    needs_reference, rows_per_example = True, 2  # the loss reads a frozen reference; a pair: chosen and rejected
     task_train_size: int = Field(1000, ge=1)
-    use_alpaca_template: bool = False  # wrap prompts in the Alpaca template (CS336 supplement)
+    # --- DPO
+    use_alpaca_template: bool = False
+    """Wrap prompts in the Alpaca template, as the CS336 supplement does."""
     beta: float = Field(0.1, gt=0)
+    """DPO's beta: the strength of the implicit KL to the reference (the starting model)."""
     n_dpo_steps: int = Field(100, ge=1)
+    """Optimizer steps (the run's length)."""
     learning_rate: float = Field(1e-6, gt=0)
+    """AdamW's peak learning rate."""
     train_batch_size: int = Field(16, ge=1)
+    """Preference pairs per optimizer step."""
     gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step: raise it to fit memory."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up in optimizer steps, capped at 10 % of n_dpo_steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: a constant learning rate, or cosine decay to 0 at the last step."""
     eval_pairs: int = Field(200, ge=1)
+    """The most held-out pairs the preference accuracy is measured on."""
     run_dir: str = "runs/dpo"
 
 

@@ -17,23 +17,34 @@ from ..rewards import RewardScorer
 from ..rollout import make_backend
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
-from ..training.config import SampledRunConfig
 from ..training.inputs import load_inputs
 from ..training.optimization import make_optimizer
 from ..training.resources import check_sampled_inputs
 from ..training.run import ListState, Run, TrainResult, validation
+from ..training.sampled_run_config import SampledRunConfig
 
 
 class EIConfig(SampledRunConfig):
+    """Expert iteration's fields (CS336 A5 Algorithm 2's names), beside the sampling ones."""
+
     command, steps_field, step_key = "ei", "n_ei_steps", "ei_step"
-    n_ei_steps: int = Field(5, ge=1)  # CS336 Algorithm 2's n_ei_steps
-    ei_batch_size: int = Field(512, ge=1)  # questions per step (CS336 sweeps 512, 1024, 2048)
-    group_size: int = Field(4, ge=1)  # responses sampled per question (G)
-    sft_epochs: int = Field(1, ge=1)  # epochs of SFT on each filtered set (E)
+    # --- Expert iteration (CS336 Algorithm 2)
+    n_ei_steps: int = Field(5, ge=1)
+    """Outer steps (CS336's n_ei_steps): each samples, filters and trains."""
+    ei_batch_size: int = Field(512, ge=1)
+    """Questions sampled per step (CS336 sweeps 512, 1024, 2048)."""
+    group_size: int = Field(4, ge=1)
+    """Responses sampled per question (G)."""
+    sft_epochs: int = Field(1, ge=1)
+    """Epochs of SFT on each step's verified-correct responses (E)."""
     learning_rate: float = Field(2e-5, gt=0)
+    """AdamW's learning rate (constant)."""
     train_batch_size: int = Field(32, ge=1)
+    """Responses per SFT optimizer step."""
     gradient_accumulation_steps: int = Field(4, ge=1)
+    """Micro-batches per SFT optimizer step: raise it to fit memory."""
     normalize_constant: float = Field(1.0, gt=0)
+    """The SFT loss is the sum of the response tokens' NLL divided by this (CS336's normalize_constant)."""
     run_dir: str = "runs/ei"
 
 

@@ -1,16 +1,22 @@
-"""The gradient of one optimizer batch of a rollout batch, accumulated over micro-batches — the
-engineering under GRPO's update, kept apart from the algorithm: rows that cannot contribute are
-skipped, rows may be packed by a token budget, and each distinct prompt may be run once for its
-whole group (``models.shared_prefix``). None of it changes the gradient (tested to 1e-6 against
-the plain fixed-micro-batch gradient), because every loss is scaled by the whole optimizer batch's
+"""GRPO's policy update: the old and reference log-probs of a rollout batch, then
+``epochs_per_rollout_batch`` passes of optimizer steps with the KL early stop (``policy_update``).
+
+Under it, the gradient of one optimizer batch, accumulated over micro-batches — the engineering
+kept apart from the algorithm: rows that cannot contribute are skipped, rows may be packed by a
+token budget, and each distinct prompt may be run once for its whole group
+(``models.shared_prefix``). None of it changes the gradient (tested to 1e-6 against the plain
+fixed-micro-batch gradient), because every loss is scaled by the whole optimizer batch's
 sequence or token count. Across ranks those counts are global (``distributed.grad_normaliser``), so
 N processes take the single-process gradient of the same rows (tested to 1e-6 with 2 processes)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..core import grpo_microbatch_train_step, kl_k3
+from ..core import grpo_microbatch_train_step, importance_sampling_weights, kl_k3
 from ..models.fused_head import response_log_probs
 from ..models.shared_prefix import (
     label_to_response_layout,
@@ -19,7 +25,11 @@ from ..models.shared_prefix import (
     supports_shared_prefix,
 )
 from ..training import distributed
-from ..training.batching import RolloutBatch, plan_microbatches, take_rows
+from ..training.batching import RolloutBatch, batched_log_probs, optimizer_batches, plan_microbatches, take_rows
+from ..training.run import Run
+
+if TYPE_CHECKING:
+    from .grpo import GRPOConfig
 
 
 def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
@@ -31,7 +41,7 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
         mb = take_rows(tensors, live, device)
         with autocast():
             out = response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
-                                         temperature=temperature)
+                                     temperature=temperature)
         return mb, out["log_probs"].float(), out["token_entropy"], lambda values: values.detach().cpu()
     with autocast():
         out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
@@ -119,7 +129,7 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
             trainer_lp[live, : label_lp.shape[1]] = label_lp
         old = mb.get("old_log_probs", log_probs.detach())
         stats_meta = {} if token_stats is None else {"entropy": entropy.detach().float(),
-                                                      "ratio": torch.exp(log_probs.detach() - old)}
+                                                     "ratio": torch.exp(log_probs.detach() - old)}
         # the global sizes set the loss scale, so the micro-batch count given here is not used
         loss, meta = grpo_microbatch_train_step(
             log_probs, mb["response_mask"], len(plans), cfg.loss_type,
@@ -149,3 +159,93 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
     for _ in range(padding):
         distributed.dummy_backward(model)
     return {k: float(distributed.all_reduce(torch.as_tensor(v, dtype=torch.float64))) for k, v in sums.items()}
+
+
+# ---------------------------------------------------------------- the update of a rollout batch
+
+
+def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, ref_model) -> dict[str, float]:
+    """Old-policy log-probs (off-policy, or for the sampler/trainer IS correction) and the reference
+    policy's, once per rollout batch; with the correction, the IS weights and their figures."""
+    rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
+    correct = cfg.is_correction != "none"
+    if cfg.off_policy or correct:
+        batch.old_log_probs = batched_log_probs(run.model, batch, rows_per_pass, run.device, run.autocast,
+                                                cfg.policy_temperature)
+        batch.pre_update_log_probs = batch.old_log_probs
+    if ref_model is not None:
+        batch.ref_log_probs = batched_log_probs(ref_model, batch, rows_per_pass, run.device, run.autocast,
+                                                cfg.policy_temperature)
+    if not correct:
+        return {}
+    batch.is_weights, stats = importance_sampling_weights(
+        batch.old_log_probs, batch.sampler_log_probs, batch.response_mask, mode=cfg.is_correction,
+        level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap)
+    if not cfg.off_policy:
+        batch.old_log_probs = None  # on-policy: the ratio is computed against the current forward
+    return {f"train/{k}": float(v) for k, v in stats.items()}
+
+
+@dataclass
+class Update:
+    """What one rollout batch's policy update did: a record per applied optimizer step, whether
+    the KL early stop fired, and the trainer's log-probs of the sampled tokens (where known)."""
+
+    records: list[dict]
+    stopped_early: bool
+    applied_steps: int  # optimizer steps that changed the weights (not stopped, not skipped as non-finite)
+    trainer_lp: torch.Tensor
+    trained: torch.Tensor
+    mean_kl: float | None
+
+
+def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, scheduler, kl_ctl, has_reference: bool,
+                  step: int, token_stats: dict | None = None) -> Update:
+    """``epochs_per_rollout_batch`` passes over the rollout batch in optimizer batches (reshuffled
+    each epoch when off-policy), with the KL early stop measured before each optimizer step;
+    ``token_stats`` (``token_records.empty_stats``) gets the trained tokens' entropy, ratio and clip."""
+    n = len(batch.sequences)
+    trainer_lp = batch.old_log_probs.clone() if cfg.off_policy else torch.zeros(batch.labels.shape)
+    trained = torch.full((n,), cfg.off_policy, dtype=torch.bool)
+    signal = batch.raw_rewards if cfg.loss_type == "no_baseline" else batch.advantages
+    has_tokens = batch.response_mask.any(1)  # an empty response never reaches the loss (0/0)
+    # a row with zero advantage has zero gradient unless a KL or entropy term acts on it
+    regularised = (has_reference and kl_ctl.value > 0) or cfg.entropy_coef > 0
+    contributes = has_tokens & ((signal != 0) | regularised | (not cfg.skip_zero_advantage))
+    shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    records, kl_values, stopped, applied = [], [], False, 0
+    for epoch in range(cfg.epochs_per_rollout_batch):
+        for rows in optimizer_batches(
+            n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]
+        ):
+            record_lp = trainer_lp if epoch == 0 and not cfg.off_policy else None
+            sums = accumulate_policy_gradient(run.model, batch, rows, cfg, contributes, kl_ctl.value, run.device,
+                                              run.autocast, record_lp, token_stats)
+            if record_lp is not None:
+                trained[rows] = contributes[rows]
+            tok = max(sums["tokens"], 1.0)
+            approx_kl = sums["approx_kl"] / tok
+            if cfg.kl_stop is not None and cfg.off_policy and approx_kl > cfg.kl_stop:
+                optimizer.zero_grad(set_to_none=True)  # measured before the step: this update is not applied
+                stopped = True
+                break
+            result = run.optimizer_step(optimizer, scheduler, sums["loss"])
+            applied += not result.skipped
+            record = run.update_record({
+                "train_step": run.train_step, "grpo_step": step, "epoch": epoch,
+                "train/loss": sums["loss"], "train/token_entropy": sums["entropy"] / tok,
+                "train/clip_fraction": sums["clip"] / tok, "train/approx_kl_old_new": approx_kl,
+                "train/kl_coef": kl_ctl.value,
+                "train/rows_trained": int(contributes[rows].sum()), "train/tokens_trained": int(sums["tokens"]),
+                "train/forward_tokens": int(sums["forward_tokens"]),
+            }, result, optimizer)
+            if has_reference:
+                record["train/kl"] = sums["kl"] / tok
+                kl_values.append(sums["kl"] / tok)
+            records.append(record)
+            run.train_step += 1
+        if stopped:
+            break
+    return Update(
+        records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None
+    )

@@ -36,27 +36,38 @@ from ..models.fused_head import response_log_probs
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from ..training.batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
-from ..training.config import PolicyUpdateConfig
 from ..training.inputs import load_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
-from ..training.run import Run, TrainResult, frozen_copy, validation
+from ..training.run import Run, TrainResult, validation
+from ..training.run_model import frozen_copy
+from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder, empty_stats, sampler_log_probs
 
 
 class PPOConfig(PolicyUpdateConfig):
+    """PPO's fields beside those it shares with GRPO (``PolicyUpdateConfig``, with PPO's own defaults)."""
+
     command, steps_field, step_key = "ppo", "n_ppo_steps", "ppo_step"
+    trains_value_head = True  # the critic beside the policy, outside the engine's wrapping
     # PPO's own defaults for the fields it shares with GRPO: 64 responses per step, one per question
     # (group_size 1: plain PPO), minibatches of 32, whitened advantages, and the seed design's KL:
     # 0.2, adaptive within [0.1, 0.3] toward a summed per-sequence KL of 6 (Ziegler et al.); 0 = no KL.
     method_defaults = dict(rollout_batch_size=64, group_size=1, train_batch_size=32, gradient_accumulation_steps=1,
                            warmup_steps=0, whiten_advantages=True, kl_coef=0.2, kl_adaptive=True, kl_target=6.0)
+    # --- PPO: value function and GAE
     n_ppo_steps: int = Field(100, ge=1)
+    """Outer steps: each samples a rollout batch, scores it and updates the policy and value head on it."""
     ppo_epochs: int = Field(4, ge=1)
+    """Passes over each rollout batch, in shuffled minibatches of train_batch_size."""
     cliprange_value: float | None = Field(0.2, gt=0)
+    """The value loss's clip: a new value may move at most this far from the old one (null: unclipped)."""
     vf_coef: float = Field(0.1, ge=0)
+    """The value loss's weight beside the clipped policy loss."""
     gamma: float = Field(0.99, ge=0, le=1)
+    """GAE's discount per token (1.0 is the other common choice for LMs: the only non-KL reward is at the end)."""
     lam: float = Field(0.95, ge=0, le=1)
+    """GAE's lambda: the bias/variance trade-off of the advantages."""
     run_dir: str = "runs/ppo"
 
 
@@ -84,7 +95,7 @@ class PolicyWithValue(torch.nn.Module):
 
     def forward(self, input_ids, labels, return_entropy: bool = False):
         out = response_log_probs(self.lm, input_ids, labels, return_entropy, temperature=self.temperature,
-                                     return_last_hidden=True)
+                                 return_last_hidden=True)
         return out["log_probs"], out.get("token_entropy"), self.value_head(out["last_hidden_state"])
 
 
@@ -122,7 +133,7 @@ def score_tokens(policy, ref, batch: dict, score: torch.Tensor, kl_coef: float, 
     if ref is not None:
         with autocast():
             ref_lp = response_log_probs(ref, batch["input_ids"].to(device), batch["labels"].to(device),
-                                            temperature=policy.temperature)["log_probs"]
+                                        temperature=policy.temperature)["log_probs"]
         kl = kl_k1(old_lp, ref_lp.float().cpu()) * mask
     rewards = -kl_coef * kl
     last = mask.long().cumsum(1).argmax(1)  # index of each row's last response token
@@ -174,6 +185,22 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
     return sums, False
 
 
+def step_metrics(step: int, score: torch.Tensor, scores: list[dict], seq_kl: float, kl_coef: float, sums: dict,
+                 batch: dict, stopped: bool, nonfinite_steps: int) -> dict[str, float]:
+    """A PPO step's figures: reward, KL to the reference and its coefficient, value loss, returns and
+    values, the KL early stop, response length, skipped steps, and the reward's components."""
+    mask = batch["response_mask"]
+    return {
+        "ppo_step": step, "train/reward": float(score.mean()), "train/kl_to_ref": seq_kl, "train/kl_coef": kl_coef,
+        "train/value_loss_mean": sums.get("value_loss", 0.0) / max(sums.get("tokens", 0.0), 1.0),
+        "train/returns_mean": float(masked_mean(batch["returns"], mask)) if mask.any() else 0.0,
+        "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
+        "train/kl_early_stop": int(stopped), "train/response_length": float(mask.sum(1).float().mean()),
+        "health/nonfinite_steps": nonfinite_steps,
+        **{f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores) for k in scores[0] if k != "reward"},
+    }
+
+
 def train_ppo(
     cfg: PPOConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False
 ) -> TrainResult:
@@ -196,14 +223,9 @@ def train_ppo(
         kl_ctl = run.track("kl_controller", cfg.kl_controller())
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend(
-            "hf",
-            run.sampling_model,
-            tokenizer,
-            generator=generator,
-            max_batch_size=cfg.rollout_max_batch_size,
-            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
-        )
+        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator,
+                               max_batch_size=cfg.rollout_max_batch_size,
+                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
         sampling, pad = cfg.sampling_params(), pad_token_id(tokenizer)
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)
@@ -213,12 +235,9 @@ def train_ppo(
             t0 = time.perf_counter()
             batch_q = [inputs.train[i] for i in questions.next(cfg.rollout_batch_size // cfg.group_size)]
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch_q], cfg.group_size, sampling)
-            scores = scorer.score(
-                [r.scored_response for r in rollouts],
-                [batch_q[r.prompt_index].answer for r in rollouts],
-                prompts=[r.prompt for r in rollouts],
-                questions=[batch_q[r.prompt_index].question for r in rollouts],
-            )
+            answers = [batch_q[r.prompt_index].answer for r in rollouts]
+            scores = scorer.score([r.scored_response for r in rollouts], answers, prompts=[r.prompt for r in rollouts],
+                                  questions=[batch_q[r.prompt_index].question for r in rollouts])
             score = torch.tensor([s["reward"] for s in scores])
             rollout_s = time.perf_counter() - t0
             batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad)
@@ -234,29 +253,10 @@ def train_ppo(
             record_s = time.perf_counter() - t2
             seq_kl = float(kl.sum(1).mean())
             kl_ctl.update(seq_kl, cfg.rollout_batch_size)
-            mask = batch["response_mask"]
-            run.log(
-                {
-                    "ppo_step": step,
-                    "train/reward": float(score.mean()),
-                    "train/kl_to_ref": seq_kl,
-                    "train/kl_coef": kl_ctl.value,
-                    "train/value_loss_mean": sums.get("value_loss", 0.0) / max(sums.get("tokens", 0.0), 1.0),
-                    "train/returns_mean": float(masked_mean(batch["returns"], mask)) if mask.any() else 0.0,
-                    "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
-                    "train/kl_early_stop": int(stopped),
-                    "train/response_length": float(mask.sum(1).float().mean()),
-                    "health/nonfinite_steps": run.nonfinite_steps,
-                    **{
-                        f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores)
-                        for k in scores[0]
-                        if k != "reward"
-                    },
-                    "time/rollout_s": rollout_s,
-                    "time/train_s": time.perf_counter() - t0 - rollout_s - record_s,
-                    "time/token_records_s": record_s,
-                }
-            )
+            figures = step_metrics(step, score, scores, seq_kl, kl_ctl.value, sums, batch, stopped, run.nonfinite_steps)
+            run.log({**figures,
+                     "time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - t0 - rollout_s - record_s,
+                     "time/token_records_s": record_s})
             run.bar.set_postfix(reward=f"{float(score.mean()):.3f}")
             run.end_step(step + 1, validate)
         after = validate(cfg.n_ppo_steps)

@@ -27,25 +27,38 @@ from ..models.classifier import load_sequence_classifier
 from ..rewards import reward_model_text
 from ..training import distributed
 from ..training.batching import ExampleSampler
-from ..training.config import RunConfig
 from ..training.inputs import load_preference_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.run import Run, TrainResult
+from ..training.run_config import RunConfig
 
 
 class RMConfig(RunConfig):
+    """Reward-model training's fields (Bradley-Terry on preference pairs; Ouyang et al. 2022)."""
+
     command, steps_field, step_key = "rm", "n_rm_steps", "rm_step"
     task_train_size: int = Field(1000, ge=1)
+    # --- Reward model (Bradley-Terry)
     n_rm_steps: int = Field(100, ge=1)
+    """Optimizer steps (the run's length)."""
     learning_rate: float = Field(1e-5, gt=0)
-    train_batch_size: int = Field(16, ge=1)  # pairs per optimizer step
+    """AdamW's peak learning rate."""
+    train_batch_size: int = Field(16, ge=1)
+    """Preference pairs per optimizer step."""
     gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step: raise it to fit memory."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up in optimizer steps, capped at 10 % of n_rm_steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    margin: float = 0.0  # Llama 2's margin: the chosen must beat the rejected by this much before the loss is small
-    max_length: int = Field(1024, ge=1)  # tokens per text, truncated from the left (the score is read at the end)
-    chat_template: bool = False  # render (prompt, response) with the model's chat template (as reward: chat_template)
+    """After warm-up: a constant learning rate, or cosine decay to 0 at the last step."""
+    margin: float = 0.0
+    """Llama 2's margin: the loss is -log sigmoid(r_chosen - r_rejected - margin) (0: plain Bradley-Terry)."""
+    max_length: int = Field(1024, ge=1)
+    """Tokens per text, truncated from the left (the score is read at the last token)."""
+    chat_template: bool = False
+    """Render (prompt, response) with the model's chat template, as reward: {model: ..., chat_template: true} will."""
     eval_pairs: int = Field(200, ge=1)
+    """The most held-out pairs the pairwise accuracy is measured on."""
     run_dir: str = "runs/rm"
 
 

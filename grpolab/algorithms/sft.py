@@ -28,34 +28,49 @@ from ..rewards import RewardScorer
 from ..rollout import make_backend
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
-from ..training.config import EnvOptions, SampledRunConfig
 from ..training.inputs import load_sft_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
 from ..training.run import Run, TrainResult, validation
+from ..training.run_config import EnvOptions
+from ..training.sampled_run_config import SampledRunConfig
 
 
 class SFTConfig(SampledRunConfig):
+    """SFT's fields (CS336 A5 §4), beside the sampling ones its validation uses."""
+
     command, steps_field, step_key = "sft", "n_sft_steps", "sft_step"
+    # --- SFT: data
     filter_correct: bool = False
+    """Keep only the pairs whose response the verifier accepts (CS336 §4.3); needs a ground truth per pair."""
     max_examples: int | None = Field(None, ge=1)
-    # --- optimisation
-    n_sft_steps: int = Field(200, ge=1)  # optimizer steps
+    """Train on the first this many pairs (CS336 sweeps the dataset size); null: all."""
+    # --- SFT: optimisation
+    n_sft_steps: int = Field(200, ge=1)
+    """Optimizer steps (the run's length)."""
     learning_rate: float = Field(2e-5, gt=0)
+    """AdamW's peak learning rate."""
     train_batch_size: int = Field(32, ge=1)
+    """Pairs per optimizer step."""
     gradient_accumulation_steps: int = Field(4, ge=1)
-    normalize_constant: float = Field(1.0, gt=0)  # sum of response-token NLL / this (CS336)
-    warmup_steps: int = Field(1000, ge=0)  # capped at 10 % of n_sft_steps
+    """Micro-batches per optimizer step (micro-batch = train_batch_size / this pairs): raise it to fit memory."""
+    normalize_constant: float = Field(1.0, gt=0)
+    """The loss is the sum of the response tokens' NLL divided by this (CS336's normalize_constant)."""
+    warmup_steps: int = Field(1000, ge=0)
+    """Linear learning-rate warm-up in optimizer steps, capped at 10 % of n_sft_steps."""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
-    # tool-using demonstrations (envs.build_env keys, as GRPO's env): calls replayed through the live
-    # tools, observations out of the loss
+    """After warm-up: a constant learning rate, or cosine decay to 0 at the last step."""
+    # --- SFT: responses
     env: EnvOptions = None
-    # the tokenizer's eos (a chat model's end-of-turn token) ends every response that does not end
-    # with it already, so the model learns to stop (TRL does the same); false: responses as given
+    """Tool-using demonstrations (envs.build_env's keys, as GRPO's env): each response's tool calls are replayed
+    through the live tools, and the observations leave the loss."""
     append_eos: bool = True
-    # SFT length chosen by validation: stop at the first periodic validation (every eval_every
-    # steps) whose accuracy reaches this; n_sft_steps is then the cap (None: always n_sft_steps)
+    """End every response with the tokenizer's eos (a chat model's end-of-turn token), so the model learns to stop
+    (TRL does too); false: responses as given."""
+    # --- SFT: early stop
     stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
+    """Stop at the first periodic validation (every eval_every steps) whose accuracy reaches this; n_sft_steps is
+    then the cap. Null: always n_sft_steps."""
     run_dir: str = "runs/sft"
 
     @model_validator(mode="after")

@@ -2,83 +2,14 @@
 
 Every training command takes ``--config FILE.yaml`` and any config field as ``--field value``
 (dashes or underscores), e.g. ``grpolab grpo --config configs/grpo_tiny.yaml --n-grpo-steps 20``.
+The app and what the commands share are in ``base``; each command module registers its commands
+on the app when imported, below in the order ``grpolab --help`` lists them.
 """
 
-from __future__ import annotations
+from .base import app, boolean_flag_values, main
 
-import logging
-import os
-
-import typer
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="GRPO and the methods it is measured against, for Hugging Face causal LMs.")
-
-EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-def _quiet_hf() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    # save_pretrained imports DeepSpeed where it is installed (accelerate's unwrap), which warns on
-    # every CPU machine that it found no GPU; its own warnings (a deepspeed run) stay
-    logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"grpolab: error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-def _user_errors():
-    from ..data import DataError, TemplateError
-    from ..training.config import ConfigError
-
-    return (ConfigError, DataError, TemplateError, ValueError, FileNotFoundError, NotADirectoryError,
-            IsADirectoryError, PermissionError)
-
-
-def boolean_flag_values(argv: list[str]) -> list[str]:
-    """One convention for every boolean on every command: ``--flag``, ``--flag true`` and ``--flag
-    false`` (config fields already take a value; typer's own flags — ``--overwrite``, ``--ei``,
-    ``--tools``, ``--entropy`` — take none, so a value after one is folded into the flag here)."""
-    command = typer.main.get_command(app)  # typer's own click (vendored in recent typer): duck-typed
-    name = next((a for a in argv if not a.startswith("-")), None)
-    sub = getattr(command, "commands", {}).get(name) if name else None
-    if sub is None:
-        return argv
-    flags: dict[str, str | None] = {}  # --flag -> its off form (None: drop it)
-    for param in sub.params:
-        if getattr(param, "is_flag", False) and getattr(param, "is_bool_flag", False):
-            for opt in param.opts:
-                flags[opt] = param.secondary_opts[0] if param.secondary_opts else None
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        value = argv[i + 1].lower() if arg in flags and i + 1 < len(argv) else None
-        if value in ("true", "false", "yes", "no", "1", "0"):
-            if value in ("true", "yes", "1"):
-                out.append(arg)
-            elif flags[arg] is not None:
-                out.append(flags[arg])
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
-    return out
-
-
-def main() -> None:
-    """The ``grpolab`` command (``boolean_flag_values``, then the typer app)."""
-    import sys
-
-    app(args=boolean_flag_values(sys.argv[1:]), prog_name="grpolab")
-
-
-# the commands register themselves on ``app``, in the order ``grpolab --help`` lists them
 # isort: off
-from . import train, eval, compare, tools  # noqa: E402,F401
+from . import train, eval, compare, tools, config  # noqa: F401
 # isort: on
+
+__all__ = ["app", "boolean_flag_values", "main"]

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from . import EXTRA, _fail, _quiet_hf, _user_errors, app
+from ..algorithms import METHODS
+from .base import EXTRA, _fail, _quiet_hf, _user_errors, app, or_list
 from .train import _trainers
 
 
@@ -60,7 +61,7 @@ def plan(
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Memory of each GPU in GiB (e.g. 80)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="On the CPU: processes (torchrun --nproc_per_node)."),
     method: Optional[str] = typer.Option(
-        None, "--method", help="grpo, sft, ei, ppo or dpo (default: from the config's steps key)."
+        None, "--method", help=f"{or_list(METHODS)} (default: from the config's steps key)."
     ),
     architecture: Optional[str] = typer.Option(
         None,
@@ -75,7 +76,8 @@ def plan(
     vLLM) from its config and the model's config.json, whether it fits, and the largest micro-batch."""
     _quiet_hf()
     from ..training.config import parse_overrides
-    from ..training.memory_plan import Hardware, config_for_plan, estimate, format_plan
+    from ..training.memory_plan import config_for_plan, estimate, format_plan
+    from ..training.plan_inputs import Hardware
 
     try:
         cfg = config_for_plan(_trainers(), config, parse_overrides(list(ctx.args)), method)

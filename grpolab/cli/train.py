@@ -1,4 +1,5 @@
-"""The training commands: ``grpolab grpo|sft|ei|ppo|dpo|rm --config FILE --field value``."""
+"""The training commands: ``grpolab grpo|sft|ei|ppo|dpo|rm --config FILE --field value``. Their
+``--help`` lists every field of the command's config with its type, default and description."""
 
 from __future__ import annotations
 
@@ -6,29 +7,35 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from ..algorithms import METHODS
-from . import EXTRA, _fail, _quiet_hf, _user_errors, app
+from .base import EXTRA, _fail, _quiet_hf, _user_errors, app
 
 
 def _trainers():
-    """Each training command's (config class, trainer function), from ``algorithms.METHODS``."""
-    from ..algorithms import METHODS
-
+    """Every training command's (config class, trainer function), from ``algorithms.METHODS``
+    (``plan`` reads a config under any of them; a command that trains loads only its own)."""
     return {name: method.load() for name, method in METHODS.items()}
+
+
+def _trainer(command: str):
+    """The command's (config class, trainer function): its method's module only."""
+    return METHODS[command].load()
 
 
 def _build(config_cls, config: Optional[Path], args: list[str], resume: Optional[Path]):
     """The config of a fresh run (``--config`` + ``--field value``), or of a resumed one: the run's
     own saved config, with only the fields a resume may change taken from the command line."""
     from ..training.config import parse_overrides
+    from ..training.run_dir import CONFIG_FILE
 
     overrides = parse_overrides(args)
     if resume is None:
         return config_cls.build(config, overrides)
-    saved = resume / "config.yaml"
+    saved = resume / CONFIG_FILE
     if not saved.is_file():
-        raise FileNotFoundError(f"{resume}: not a run directory (no config.yaml)")
+        raise FileNotFoundError(f"{resume}: not a run directory (no {CONFIG_FILE})")
     overrides["run_dir"] = str(resume)
     return config_cls.build(config or saved, overrides)
 
@@ -44,7 +51,7 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     from ..training.run import RunInterrupted
 
     _quiet_hf()
-    config_cls, train = _trainers()[command]
+    config_cls, train = _trainer(command)
     try:
         cfg = _build(config_cls, config, list(ctx.args), resume)
         from ..training.preflight import check_imports
@@ -59,8 +66,9 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
         raise typer.Exit(130)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say where the run can continue from
         from ..training.checkpoints import CheckpointManager
+        from ..training.run_dir import CHECKPOINTS_DIR
 
-        newest = CheckpointManager(Path(cfg.run_dir) / "checkpoints").latest()
+        newest = CheckpointManager(Path(cfg.run_dir) / CHECKPOINTS_DIR).latest()
         where = (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
                  else "no checkpoint was written")
         typer.echo(f"grpolab: stopped at once; {where}", err=True)
@@ -123,12 +131,51 @@ def _report_rm(result) -> None:
 REPORTS = {"grpo": _report, "sft": _report_sft, "ei": _report_ei, "ppo": _report, "dpo": _report_dpo, "rm": _report_rm}
 
 
+FIELDS_INTRO = ("Config fields: each can be given as --field value (dashes or underscores) or as a key of the "
+                "--config file; `grpolab config {command}` prints them all as commented YAML.")
+
+
+class TrainingCommand(TyperCommand):
+    """A training command whose ``--help`` goes on with every field of its config, one panel per
+    section (``cli/fields.py``: read from its snapshot, so the help imports no method module)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        super().format_help(ctx, formatter)
+        from .fields import command_fields, sections
+
+        groups = sections(command_fields(self.name))
+        intro = FIELDS_INTRO.format(command=self.name)
+        if not (getattr(typer.core, "HAS_RICH", False) and self.rich_markup_mode is not None):
+            formatter.write_paragraph()
+            formatter.write_text(intro)
+            for title, rows in groups:
+                with formatter.section(title):
+                    formatter.write_dl([(f"{f.option} {f.type} [default: {f.default}]", f.description) for f in rows])
+            return
+        from rich.console import Group
+        from rich.padding import Padding
+        from rich.panel import Panel
+        from rich.text import Text
+        from typer import rich_utils
+
+        console = rich_utils._get_rich_console()
+        console.print(Padding(Text(intro), (0, 1, 1, 1)))
+        for title, rows in groups:
+            items = []
+            for f in rows:
+                head = Text(f.option, style="bold cyan")
+                head.append(f" {f.type}", style="yellow")
+                head.append(f"  [default: {f.default}]", style="dim")
+                items += [head, Padding(Text(f.description), (0, 0, 0, 2))]
+            console.print(Panel(Group(*items), title=title, title_align="left", border_style="dim"))
+
+
 def _add_training_command(name: str, help_text: str, report) -> None:
     def command(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT, resume: Optional[Path] = RESUME_OPT,
                 overwrite: bool = OVERWRITE_OPT) -> None:
         report(_train(name, ctx, config, resume, overwrite))
 
-    app.command(name, context_settings=EXTRA, help=help_text)(command)
+    app.command(name, context_settings=EXTRA, help=help_text, cls=TrainingCommand)(command)
 
 
 for _name, _method in METHODS.items():

@@ -11,18 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpolab.algorithms.grpo as grpo
-from grpolab.algorithms.grpo import (
-    GRPOConfig,
-    accumulate_policy_gradient,
-    batched_log_probs,
-    group_advantages,
-    make_rollout_batch,
-    policy_update,
-    train_grpo,
-)
+import grpolab.algorithms.grpo_update as grpo_update
+from grpolab.algorithms.grpo import GRPOConfig, group_advantages, train_grpo
+from grpolab.algorithms.grpo_update import accumulate_policy_gradient, policy_update
 from grpolab.core import FixedKLController, get_response_log_probs, normalize_group_rewards, policy_loss_names
 from grpolab.rollout import HFRolloutBackend, Rollout, SamplingParams
+from grpolab.training.batching import batched_log_probs, make_rollout_batch
 from grpolab.training.config import ConfigError
 from grpolab.training.health import UnhealthyRunError
 from grpolab.training.metric_logging import read_metrics
@@ -221,13 +215,13 @@ def test_policy_update_kl_early_stop_applies_only_the_first_optimizer_step(grpo_
     reference, initial = copy.deepcopy(run.model), weights(run.model)
     batch.old_log_probs = batched_log_probs(run.model, batch, 4, CPU, nullcontext, cfg.policy_temperature)
     seen = []
-    real = grpo.optimizer_batches
+    real = grpo_update.optimizer_batches
 
     def spy(*args, **kw):
         seen.append(real(*args, **kw))
         return seen[-1]
 
-    monkeypatch.setattr(grpo, "optimizer_batches", spy)
+    monkeypatch.setattr(grpo_update, "optimizer_batches", spy)
     optimizer = make_optimizer(run.model, cfg.learning_rate, cfg.betas)
     scheduler = make_scheduler(optimizer, 0, 4)
     update = policy_update(run, batch, cfg, optimizer, scheduler, FixedKLController(0.0), False, step=0)
@@ -380,7 +374,7 @@ def _kl_stop_cfg(grpo_config, **kw):
 
 
 def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_batch(grpo_config, tmp_path, same_weights,
-                                                                                    monkeypatch):
+                                                                                   monkeypatch):
     stopped = train_grpo(_kl_stop_cfg(grpo_config, kl_stop=1e-9, run_dir=str(tmp_path / "stopped")))
     train = train_records(stopped)
     assert [r["grpo_step"] for r in train] == [0, 1]  # one optimizer step per rollout batch
@@ -389,8 +383,8 @@ def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_bat
     # the same run where each rollout batch has only its first optimizer batch, and no early stop:
     # equal weights. Had the stopped update been applied (or its gradient leaked into the next
     # step), the weights would differ.
-    real = grpo.optimizer_batches
-    monkeypatch.setattr(grpo, "optimizer_batches", lambda *a, **k: real(*a, **k)[:1])
+    real = grpo_update.optimizer_batches
+    monkeypatch.setattr(grpo_update, "optimizer_batches", lambda *a, **k: real(*a, **k)[:1])
     first_only = train_grpo(_kl_stop_cfg(grpo_config, kl_stop=None, run_dir=str(tmp_path / "first_only")))
     assert all(r["train/kl_early_stop"] == 0 for r in step_records(first_only))
     assert [r["grpo_step"] for r in train_records(first_only)] == [0, 1]
@@ -399,7 +393,7 @@ def test_kl_early_stop_applies_only_the_first_optimizer_step_of_each_rollout_bat
 
 def test_off_policy_epochs_reshuffle_with_a_generator_seeded_per_step(grpo_config, monkeypatch):
     calls = []
-    real = grpo.optimizer_batches
+    real = grpo_update.optimizer_batches
 
     def spy(n_rows, batch_size, shuffle, generator=None, keep_together=None):
         seed = generator.initial_seed()
@@ -407,7 +401,7 @@ def test_off_policy_epochs_reshuffle_with_a_generator_seeded_per_step(grpo_confi
         calls.append(dict(seed=seed, generator=generator, shuffle=shuffle, batches=batches, keep=keep_together))
         return batches
 
-    monkeypatch.setattr(grpo, "optimizer_batches", spy)
+    monkeypatch.setattr(grpo_update, "optimizer_batches", spy)
     cfg = grpo_config(n_grpo_steps=2, epochs_per_rollout_batch=2, train_batch_size=8, kl_stop=None, eval_examples=1,
                       log_generations_samples=0, reward="tests.helpers.reward_fixtures:length_parity")
     train_grpo(cfg)
@@ -455,7 +449,7 @@ def _two_train_forwards(model):
 
 
 def test_disable_dropout_turns_off_dropout_modules_and_attention_dropout():
-    from grpolab.training.run import disable_dropout
+    from grpolab.training.run_setup import disable_dropout
 
     model, _ = _dropout_model()
     a, b = _two_train_forwards(model)

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling and reward shaping in the sampling phase (algorithms/sampling.py), and the
+"""DAPO dynamic sampling and reward shaping in the sampling phase (algorithms/grpo_sampling.py), and the
 trainer options around it: truncation masking, the sample budget, the IS correction."""
 
 import warnings

@@ -121,7 +121,7 @@ def test_score_tokens_rewards_the_last_token_and_penalises_k1_kl_per_token(tiny_
 
 # ---------------------------------------------------------------- the update and its KL early stop
 def test_ppo_update_kl_early_stop_does_not_apply_the_stopping_minibatch(tiny_model, open_run, tmp_path, small_run,
-                                                                       same_weights, monkeypatch):
+                                                                        same_weights, monkeypatch):
     model, tok = tiny_model()
     cfg = PPOConfig(**{**RUN, "learning_rate": 1e-2}, kl_stop=1e-9, kl_coef=0.0, run_dir=str(tmp_path / "ppo"),
                     **small_run)

@@ -49,7 +49,7 @@ def test_torch_save_on_a_full_disk_is_one_line(monkeypatch, tmp_path, message):
     def train(cfg, **kwargs):
         raise RuntimeError(message)
 
-    monkeypatch.setattr(train_commands, "_trainers", lambda: {"sft": (SFTConfig, train)})
+    monkeypatch.setattr(train_commands, "_trainer", lambda command: {"sft": (SFTConfig, train)}[command])
     run_dir = tmp_path / "run"
     out = CliRunner().invoke(
         cli.app, ["sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--run-dir", str(run_dir)]

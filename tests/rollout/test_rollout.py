@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from grpolab.core import build_sequences, get_response_log_probs
+from grpolab.core import build_sequences
 from grpolab.models import load_model_and_tokenizer
+from grpolab.models.fused_head import response_log_probs
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 
 
@@ -29,7 +30,7 @@ def test_groups_are_prompt_major_and_logprobs_match_trainer(lm):
         assert r.response == tok.decode(r.response_ids, skip_special_tokens=True)
     batch = build_sequences([r.prompt_ids for r in out], [r.response_ids for r in out], tok.pad_token_id)
     with torch.no_grad():
-        lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
+        lp = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
     for i, r in enumerate(out):
         start = len(r.prompt_ids) - 1
         trainer = lp[i, start : start + len(r.response_ids)]

@@ -1,4 +1,5 @@
-"""grpolab.training.config: YAML + overrides, one-line errors, the shared config classes, resume changes."""
+"""grpolab.training.config (YAML + overrides, one-line errors, resume changes) and the shared config classes
+(run_config.py, sampled_run_config.py)."""
 
 import subprocess
 import sys
@@ -7,15 +8,9 @@ from pathlib import Path
 import pytest
 
 from grpolab.core import AdaptiveKLController, FixedKLController
-from grpolab.training.config import (
-    RESUME_MAY_CHANGE,
-    ConfigError,
-    PolicyUpdateConfig,
-    RunConfig,
-    SampledRunConfig,
-    parse_overrides,
-    resume_changes,
-)
+from grpolab.training.config import RESUME_MAY_CHANGE, ConfigError, parse_overrides, resume_changes
+from grpolab.training.run_config import RunConfig
+from grpolab.training.sampled_run_config import PolicyUpdateConfig, SampledRunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCHES = dict(rollout_batch_size=8, group_size=4, train_batch_size=8, gradient_accumulation_steps=1)
@@ -258,3 +253,13 @@ def test_every_shipped_config_file_is_valid(path):
     method = next(part for part in path.stem.split("_") if part in METHODS)
     config = METHODS[method].load()[0].build(path)
     assert config.command == method
+
+
+def test_a_field_declared_again_only_for_its_default_keeps_the_base_description():
+    from grpolab.algorithms.dpo import DPOConfig
+    from grpolab.algorithms.grpo import GRPOConfig
+
+    for cls in (GRPOConfig, DPOConfig):
+        assert cls.model_fields["run_dir"].description == RunConfig.model_fields["run_dir"].description
+    assert DPOConfig.model_fields["task_train_size"].description.startswith("How many distinct training questions")
+    assert (GRPOConfig().run_dir, DPOConfig().task_train_size) == ("runs/grpo", 1000)
