@@ -1,144 +1,99 @@
-"""The README walked as a reader walks it (issue 27).
+"""The docs walked as a reader walks them (issues 27 and 33): README.md, then every page of docs/ in
+the order of mkdocs.yml's nav.
 
-README.md is parsed at test time, so a README edit that breaks a command breaks a test here:
+The pages are parsed at test time, so an edit that breaks a command breaks a test here:
 
-- every command line of its ```bash blocks is either run (``RUN``: in the README's order, in a
-  scratch directory holding a copy of ``configs/``; ``python -m grpolab`` stands for
-  ``.venv/bin/grpolab`` and ``python -m torch.distributed.run`` for ``torchrun``; only the small
-  step counts that turn minutes into seconds are appended) or named in ``NOT_RUN`` with the
-  reason. A command in neither list fails ``test_every_readme_command_is_run_or_has_a_reason``:
+- every command line of their ```bash blocks is either run (``RUN``: in reading order, each distinct
+  command once however many pages print it, in a scratch directory holding a copy of ``configs/``;
+  ``python -m grpolab`` stands for ``.venv/bin/grpolab`` and ``python -m torch.distributed.run``
+  for ``torchrun``; only the small step counts that turn minutes into seconds are appended) or named
+  in ``NOT_RUN`` with the reason. A command in neither list fails ``test_every_command_is_run_or_has_a_reason``:
   none is left out silently;
-- every ``--flag`` the README gives ``grpolab eval``, ``compare`` or ``demo`` is in that command's
-  ``--help``, and every ``--flag`` of a ``grpolab grpo``/``sft`` line is an option of the command
-  or a field of its config class (``--field value``), the lines not run included;
-- every repository path the README names (``configs/...``, ``benchmarks/...``, ...) exists.
+- every ``grpolab COMMAND`` they name is a command, and every ``--flag`` they give it is in its
+  ``--help`` or, for a command that takes ``--field value`` (the training commands, ``plan``), a
+  field of its config class — the lines not run included;
+- every repository path they name (``configs/...``, ``benchmarks/...``, ...), every relative link
+  and image (with its ``#anchor``), and every ``grpolab.x.y`` name in their code exists;
+- every page of docs/ is in the nav and every page of the nav exists.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import re
-import shlex
-import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
+from functools import cache
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "250"}
-TIMEOUT = 240  # a hang guard only
+from tests.docs.walk import (
+    DOCS,
+    README,
+    ROOT,
+    bash_commands,
+    code_spans,
+    command_flags,
+    dotted_names,
+    heading_anchors,
+    links,
+    named_commands,
+    nav_pages,
+    pages,
+    repository_paths,
+    run_commands,
+)
 
-# Small step counts appended to a command whose run takes minutes (later overrides win).
+# Small step counts appended to a command whose run takes minutes (later values win).
 SFT_SMALL = ["--n-sft-steps", "2", "--eval-examples", "4", "--task-train-size", "64"]
 GRPO_SMALL = ["--n-grpo-steps", "2", "--eval-examples", "4"]
 RESUME_SMALL = ["--n-grpo-steps", "3", "--eval-examples", "4"]  # one step past the shortened run: the resume trains
+EVAL_SMALL = ["--n", "10"]
 
 # Commands run, by the start of their argv (first match wins, after NOT_RUN): the small-step overrides.
 RUN = [
     ((".venv/bin/grpolab", "sft"), SFT_SMALL),
     ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
     ((".venv/bin/grpolab", "grpo"), GRPO_SMALL),
+    ((".venv/bin/grpolab", "eval"), EVAL_SMALL),
+    ((".venv/bin/grpolab", "view"), []),
+    ((".venv/bin/grpolab", "config"), []),
     (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL),
 ]
 # Commands not run here, by the start of their argv (a last word ending in / or = is a prefix of
 # the word): the reason.
 REAL_MODEL = ("the real model (SmolLM2-135M-Instruct, `make real-model`): minutes of CPU even shortened; "
-              "its flags are checked by test_readme_flags_exist / test_readme_training_flags_exist")
+              "its flags are checked by test_flags_exist")
 NOT_RUN = [
-    (
-        ("make", "demo"),
-        "the full demo, 3-4 minutes (and make installs .venv); tests/cli/test_demo_cli.py runs it shortened",
-    ),
+    (("make", "demo"), "the full demo, 3-4 minutes (and make installs .venv); tests/cli/test_demo_cli.py runs it "
+                       "shortened, tests/experiments/test_demo_tools.py the tool demo"),
     (("make", "test-all"), "the test suites themselves"),
-    (
-        ("grpolab", "view"),
-        "reads the demo's run directory (and --serve runs until Ctrl-C); tests/viewer/test_viewer.py and "
-        "tests/browser run it on real runs",
-    ),
+    (("grpolab", "view"), "reads the demo's run directories (and --serve runs until Ctrl-C); the quick start's "
+                          ".venv/bin/grpolab view is run, tests/viewer/test_viewer.py and tests/browser run it "
+                          "on real runs"),
     (("torchrun", "--nproc_per_node", "8"), "8 GPUs (nccl) and Qwen2.5-Math-1.5B's weights on disk"),
     (("torchrun", "--nnodes", "2"), "two machines and the reader's own my.yaml"),
-    (
-        (
-            "torchrun",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "grpolab",
-            "grpo",
-            "--config",
-            "configs/grpo_tiny.yaml",
-            "--distributed",
-            "fsdp2",
-            "--rollout-backend",
-            "vllm",
-        ),
-        "vLLM (.venv-vllm): tests/vllm/test_scale_vllm.py runs this set-up",
-    ),
-    (
-        ("grpolab", "plan", "--config", "configs/scale/"),
-        "prints the plans quoted below it; tests/scale/test_scale_recipes.py runs them",
-    ),
-    (
-        ("grpolab", "plan", "--config", "configs/grpo_tiny.yaml"),
-        "tests/training/test_memory_plan.py plans the tiny model",
-    ),
-    (
-        (".venv/bin/grpolab", "eval", "--model", "runs/rg_arith/"),
-        "needs the rg_arith run above; tests/data/test_gym_tasks.py evaluates rg tasks",
-    ),
+    (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo", "--config", "configs/grpo_tiny.yaml",
+      "--distributed", "fsdp2", "--rollout-backend", "vllm"), "vLLM (.venv-vllm): tests/vllm/test_scale_vllm.py "
+                                                              "runs this set-up"),
+    (("grpolab", "plan", "--config", "configs/scale/"), "prints the plans quoted below it; "
+                                                       "tests/scale/test_scale_recipes.py runs them"),
+    (("grpolab", "plan", "--config", "configs/grpo_tiny.yaml"), "tests/training/test_memory_plan.py plans the "
+                                                                "tiny model"),
+    ((".venv/bin/grpolab", "eval", "--model", "runs/rg_arith/"), "needs the rg_arith run above trained in full; "
+                                                                 "tests/data/test_gym_tasks.py evaluates rg tasks"),
     ((".venv/bin/grpolab", "grpo", "--task", "rg:gsm_symbolic", "--model", "~/.cache/grpolab/"), REAL_MODEL),
-    (
-        (".venv/bin/grpolab", "grpo", "--reward"),
-        "needs runs/rm/final from grpolab rm (not run here); "
-        "tests/rewards/test_reward_model.py runs GRPO and PPO on a reward model",
-    ),
-    (
-        (".venv/bin/grpolab", "rm"),
-        "minutes of CPU (the reader's own pairs.jsonl for the second); tests/rewards/test_reward_model.py "
-        "and tests/experiments/test_rm_chain.py run grpolab rm shortened, with --resume",
-    ),
+    ((".venv/bin/grpolab", "grpo", "--reward"), "needs runs/rm/final from grpolab rm (not run here); tests/rewards/"
+                                                "test_reward_model.py runs GRPO and PPO on a reward model"),
+    ((".venv/bin/grpolab", "rm"), "minutes of CPU (the reader's own pairs.jsonl for the second); "
+                                  "tests/rewards/test_reward_model.py and tests/experiments/test_rm_chain.py run "
+                                  "grpolab rm shortened, with --resume"),
     (("HEAD=",), "the SLURM recipe: a cluster (tests/scale runs a two-node job on one machine)"),
     (("export", "HEAD"), "the SLURM recipe: a cluster"),
     (("srun",), "the SLURM recipe: a cluster"),
-    (
-        ("grpolab", "grpo", "--config", "my.yaml"),
-        "the reader's own my.yaml; its flags are checked by test_readme_training_flags_exist",
-    ),
+    (("grpolab", "grpo", "--config", "my.yaml"), "the reader's own my.yaml; its flags are checked by test_flags_exist"),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "grpo", "--config", "configs/real/"), REAL_MODEL),
-    (("SP=",), REAL_MODEL),  # the evaluation loop of the same section
+    (("SP=",), REAL_MODEL),  # the evaluation loop of the same page
     (("for",), REAL_MODEL),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "eval"), REAL_MODEL),
     (("done",), REAL_MODEL),
 ]
-
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|benchmarks|scripts|docs|grpolab|tests)/[\w./*-]*)")
-
-
-# ---------------------------------------------------------------- reading the README
-
-
-def bash_commands(text: str) -> list[list[str]]:
-    """Every command line of the ```bash blocks, in order, as argv (continuations joined, comments dropped)."""
-    commands = []
-    for block in re.findall(r"^[ \t]*```bash[ \t]*\n(.*?)^[ \t]*```", text, re.M | re.S):
-        line = ""
-        for raw in block.splitlines():
-            if raw.rstrip().endswith("\\"):
-                line += raw.rstrip()[:-1] + " "
-                continue
-            argv = shlex.split(line + raw, comments=True)
-            line = ""
-            if argv:
-                commands.append(argv)
-    return commands
 
 
 def _starts(argv: list[str], prefix: tuple[str, ...]) -> bool:
@@ -161,142 +116,151 @@ def classify(argv: list[str]) -> tuple[str, object]:
     return "unclassified", None
 
 
-def code_spans(text: str) -> list[str]:
-    return re.findall(r"`([^`\n]+)`", text)
+@cache
+def _texts() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in pages()}
 
 
-def flags_after(words: str, command: str) -> list[str]:
-    """The --flags after ``grpolab COMMAND`` in a piece of text (none when it does not name it)."""
-    match = re.search(rf"grpolab {command}\b", words)
-    return FLAG.findall(words[match.end():]) if match else []
+# ---------------------------------------------------------------- the pages and the nav
 
 
-def readme_flags(text: str, command: str) -> set[str]:
-    """Every --flag the README gives ``grpolab COMMAND``: on ```bash command lines, in inline code
-    naming the command (``make demo ARGS="..."`` is ``grpolab demo ...``), and in the code of the
-    command's own row of the commands table (the row whose first cell is `grpolab COMMAND ...`)."""
-    flags = set()
-    for argv in bash_commands(text):
-        flags.update(flags_after(" ".join(argv), command))
-    for span in code_spans(text):
-        if command == "demo" and span.startswith("make demo ARGS="):
-            span = "grpolab demo " + span[len("make demo ARGS="):]
-        flags.update(flags_after(span, command))
-    for row in re.findall(rf"^\| `grpolab {command}\b.*$", text, re.M):
-        flags.update(f for span in code_spans(row) for f in FLAG.findall(span))
-    return flags
+def test_every_page_is_in_the_nav_and_every_nav_page_exists():
+    listed = nav_pages()
+    on_disk = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert "index.md" in listed and len(listed) >= 20, f"mkdocs.yml's nav was not read: {listed}"
+    assert not sorted(set(on_disk) - set(listed)), "pages of docs/ missing from mkdocs.yml's nav"
+    generated = {"reference/config.md", "reference/cli.md"}  # written by their generator, not by hand
+    missing = sorted(set(listed) - set(on_disk) - generated)
+    assert not missing, f"mkdocs.yml's nav names pages docs/ does not have: {missing}"
 
 
 # ---------------------------------------------------------------- the commands
 
 
-def test_every_readme_command_is_run_or_has_a_reason():
-    commands = bash_commands(README.read_text(encoding="utf-8"))
-    assert len(commands) >= 10, "the README's ```bash blocks were not found"
-    unclassified = [shlex.join(argv) for argv in commands if classify(argv)[0] == "unclassified"]
-    assert not unclassified, ("README commands neither run by test_readme_quick_commands_work_as_printed nor listed "
-                              f"in NOT_RUN with a reason: {unclassified}")
+def test_every_command_is_run_or_has_a_reason():
+    commands = [(page, argv) for page, text in _texts().items() for argv in bash_commands(text)]
+    assert len(commands) >= 20, "the pages' ```bash blocks were not found"
+    unclassified = [f"{page}: {' '.join(argv)}" for page, argv in commands if classify(argv)[0] == "unclassified"]
+    assert not unclassified, ("commands neither run by test_commands_work_as_printed nor listed in NOT_RUN "
+                              f"with a reason: {unclassified}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_commands_work_as_printed(tmp_path):
+    """The pages' commands in reading order, each distinct one once, as printed plus only the small
+    step counts: exit code 0, and the run directory, final model, metrics or files it prints exist.
+    Every failing command is reported, not only the first."""
+    seen: dict[tuple[str, ...], str] = {}
+    for page, text in _texts().items():
+        for argv in bash_commands(text):
+            kind, small = classify(argv)
+            if kind == "run":
+                seen.setdefault(tuple(argv), page)
+    ran, failures = run_commands([(list(argv), classify(list(argv))[1], page) for argv, page in seen.items()],
+                                 tmp_path)
+    assert ran >= 10, "the pages' quick commands were not found"
+    assert not failures, f"{len(failures)} of {ran} commands of the docs failed:\n" + "\n".join(failures)
 
 
-def _as_run(argv: list[str], small: list[str], cwd: Path) -> tuple[list[str], dict, list[str]]:
-    """The README's command as this test runs it -> (argv, environment, what was appended): its
-    VAR=value words go to the environment, ``.venv/bin/grpolab`` -> ``python -m grpolab``,
-    ``torchrun`` -> ``python -m torch.distributed.run`` (on a free port), the small step counts
-    appended. A run that checkpoints (``checkpoint_every`` > 0 in its config or on its line)
-    checkpoints every step of the shortened run, so a later ``--resume`` finds a checkpoint exactly
-    where the full-length run would; one that does not checkpoint still does not."""
-    env = dict(ENV, PET_MASTER_PORT=str(_free_port()))
-    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
-        key, value = argv[0].split("=", 1)
-        env[key] = value
-        argv = argv[1:]
-    if argv[0] == ".venv/bin/grpolab":
-        argv = [sys.executable, "-m", "grpolab", *argv[1:]]
-    elif argv[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
-    extra = list(small)
-    if "--config" in argv and "--resume" not in argv:
-        config = yaml.safe_load((cwd / argv[argv.index("--config") + 1]).read_text(encoding="utf-8")) or {}
-        every = (argv[argv.index("--checkpoint-every") + 1] if "--checkpoint-every" in argv
-                 else config.get("checkpoint_every") or 0)
-        if int(every) > 0:
-            extra += ["--checkpoint-every", "1"]
-    return argv + extra, env, extra
+# ---------------------------------------------------------------- commands and flags
 
 
-def test_readme_quick_commands_work_as_printed(tmp_path):
-    """The README's quick commands in its order, each as printed plus only the small step counts:
-    exit code 0, and the run directory, final model and metrics it prints exist. Every failing
-    command is reported, not only the first."""
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    failures, ran = [], 0
-    for argv in bash_commands(README.read_text(encoding="utf-8")):
-        kind, small = classify(argv)
-        if kind != "run":
-            continue
-        cmd, env, extra = _as_run(argv, small, tmp_path)
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                              stdin=subprocess.DEVNULL)
-        ran += 1
-        printed = f"{shlex.join(argv)}   [run with {shlex.join(extra)} appended]"
-        if proc.returncode != 0:
-            errors = ([ln for ln in proc.stderr.splitlines() if ln.startswith("grpolab: ")]
-                      or proc.stderr.strip().splitlines()[-3:])
-            failures.append(f"{printed}\n    exit {proc.returncode}: {' | '.join(dict.fromkeys(errors))}")
-            continue
-        paths = re.findall(r"^(?:run directory|final model|metrics):\s+(\S+)$", proc.stdout, re.M)
-        missing = [p for p in paths if not (tmp_path / p).exists()]
-        if not paths or missing:
-            failures.append(f"{printed}\n    printed paths {paths}; missing: {missing}")
-    assert ran >= 4, "the README's quick commands were not found"
-    assert not failures, f"{len(failures)} of {ran} README commands failed:\n" + "\n".join(failures)
+def test_every_named_command_exists():
+    import typer
 
+    from grpolab.cli import app
 
-# ---------------------------------------------------------------- flags and paths
+    commands = set(typer.main.get_command(app).commands)
+    named = named_commands(_texts())
+    assert {"grpo", "sft", "eval", "compare", "demo", "view", "plan"} <= set(named), named
+    unknown = {name: where for name, where in named.items() if name not in commands}
+    assert not unknown, f"the docs name grpolab commands that do not exist (command: pages): {unknown}"
 
 
 def _help_flags(command: str) -> set[str]:
+    import subprocess
+    import sys
+
+    from tests.docs.walk import ENV, FLAG
+
     proc = subprocess.run([sys.executable, "-m", "grpolab", command, "--help"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return set(FLAG.findall(proc.stdout))
 
 
-@pytest.mark.parametrize("command", ["eval", "compare", "demo"])
-def test_readme_flags_exist(command):
-    flags = readme_flags(README.read_text(encoding="utf-8"), command)
-    assert flags, f"the README names no flag of grpolab {command}: the parser lost them"
-    missing = sorted(flags - _help_flags(command))
-    assert not missing, f"README.md gives `grpolab {command}` flags its --help does not have: {missing}"
+def _field_flags(command: str) -> set[str]:
+    """``--field value`` flags: the fields of a training command's config (``plan``, ``config``: of
+    every method)."""
+    from grpolab.algorithms import METHODS
+
+    methods = ([METHODS[command]] if command in METHODS
+               else list(METHODS.values()) if command in ("plan", "config") else [])
+    return {"--" + f.replace("_", "-") for method in methods for f in method.load()[0].model_fields}
 
 
-@pytest.mark.parametrize("command", ["grpo", "sft"])
-def test_readme_training_flags_exist(command):
-    """``--field value`` on a training command: a config field, or --config/--resume/--overwrite."""
-    from grpolab.algorithms.grpo import GRPOConfig
-    from grpolab.algorithms.sft import SFTConfig
-
-    config_cls = {"grpo": GRPOConfig, "sft": SFTConfig}[command]
-    flags = readme_flags(README.read_text(encoding="utf-8"), command)
-    assert flags, f"the README names no flag of grpolab {command}: the parser lost them"
-    known = {"--config", "--resume", "--overwrite", "--help"} | {"--" + f.replace("_", "-")
-                                                                 for f in config_cls.model_fields}
-    missing = sorted(flags - known)
-    assert not missing, f"README.md gives `grpolab {command}` flags that are no option and no config field: {missing}"
+@pytest.mark.parametrize("command", sorted(named_commands(_texts())))
+def test_flags_exist(command):
+    flags = command_flags(_texts(), command)
+    if command in ("grpo", "sft", "eval", "compare", "demo", "view", "plan"):
+        assert flags, f"the docs name no flag of grpolab {command}: the parser lost them"
+    missing = sorted(flags - _help_flags(command) - _field_flags(command))
+    assert not missing, f"the docs give `grpolab {command}` flags that are no option and no config field: {missing}"
 
 
-def test_readme_repository_paths_exist():
-    """configs/, benchmarks/, scripts/, docs/, grpolab/, tests/ paths in code, commands and images."""
-    text = README.read_text(encoding="utf-8")
-    named = {p for span in code_spans(text) if "<" not in span for p in REPO_PATH.findall(span)}  # not patterns
-    named |= {p for argv in bash_commands(text) for word in argv for p in REPO_PATH.findall(word)}
-    named |= set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text))
+# ---------------------------------------------------------------- paths, links and names
+
+
+def test_repository_paths_exist():
+    """configs/, benchmarks/, scripts/, docs/, grpolab/, tests/ paths in code and commands."""
+    named = {p: page for page, text in _texts().items() for p in repository_paths(text)}
     assert any(p.startswith("configs/") for p in named)
-    missing = sorted(p for p in named if not glob.glob(str(ROOT / p.rstrip("."))))
-    assert not missing, f"README.md names paths the repository does not have: {missing}"
+    missing = sorted(f"{page}: {p}" for p, page in named.items() if not any(ROOT.glob(p.rstrip(".").rstrip("/"))))
+    assert not missing, f"the docs name paths the repository does not have: {missing}"
+
+
+def test_links_and_images_resolve():
+    """Every relative link and image of every page: the file exists, and so does its #anchor (a
+    heading of that page, as mkdocs spells its anchors). mkdocs build --strict checks the pages of
+    docs/ too; this test also covers README.md, which the site does not build."""
+    broken = []
+    for page, text in _texts().items():
+        base = (ROOT / page).parent
+        for target in links(text):
+            path, _, anchor = target.partition("#")
+            file = (base / path).resolve() if path else ROOT / page
+            if not file.exists():
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text(encoding="utf-8")):
+                broken.append(f"{page}: {target} (no such heading)")
+    assert not broken, f"broken links: {broken}"
+
+
+def test_grpolab_names_exist():
+    """``grpolab.x.y`` in code (a module, or a name in one): an old module path fails here."""
+    import importlib
+
+    missing = []
+    for page, text in _texts().items():
+        for name in sorted(dotted_names(text)):
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                except ImportError:
+                    continue
+                try:
+                    for attr in parts[i:]:
+                        obj = getattr(obj, attr)
+                except AttributeError:
+                    missing.append(f"{page}: {name}")
+                break
+            else:
+                missing.append(f"{page}: {name}")
+    assert not missing, f"the docs name grpolab modules or names that do not exist: {missing}"
+
+
+def test_code_spans_are_read():
+    """The parser sees inline code that wraps a line (Markdown allows it) and skips fenced blocks."""
+    spans = code_spans("a `grpolab eval --model\nDIR` b\n```bash\nx `y` z\n```\n`c`")
+    assert spans == ["grpolab eval --model DIR", "c"]
+    assert README.exists()

@@ -1,0 +1,234 @@
+"""Reading the docs as test_docs_walk.py walks them: the pages in nav order, their ```bash command
+lines, inline code, links and headings, and running a command as a page prints it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "250"}
+TIMEOUT = 240  # a hang guard only
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|benchmarks|scripts|docs|grpolab|tests)/[\w./*-]*)")
+FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.M | re.S)
+# ``grpolab COMMAND`` where COMMAND is a word not followed by ':' (``grpolab health: ...`` is output)
+COMMAND = re.compile(r"(?:^|(?<=[\s/]))grpolab ([a-z][a-z-]*)\b(?![:-])")
+LAYERS = "core|models|rewards|rollout|data|envs|eval|training|algorithms|experiments|viewer|cli"
+DOTTED = re.compile(r"\bgrpolab(?:\.[A-Za-z_]\w*)+")
+FILE_NAME = re.compile(r"\.(?:py|json|jsonl|yaml|md|png|html|txt)$")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+# ---------------------------------------------------------------- the pages
+
+
+def nav_pages() -> list[str]:
+    """The pages of mkdocs.yml's nav, in order (paths under docs/)."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    found: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, str):
+            if node.endswith(".md"):
+                found.append(node)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+
+    walk(config.get("nav", []))
+    return found
+
+
+def pages() -> list[Path]:
+    """README.md, then the pages of the nav that exist, in reading order."""
+    return [README] + [DOCS / page for page in nav_pages() if (DOCS / page).exists()]
+
+
+# ---------------------------------------------------------------- reading a page
+
+
+def bash_commands(text: str) -> list[list[str]]:
+    """Every command line of the ```bash blocks, in order, as argv (continuations joined, comments dropped)."""
+    commands = []
+    for block in re.findall(r"^[ \t]*```bash[ \t]*\n(.*?)^[ \t]*```", text, re.M | re.S):
+        line = ""
+        for raw in block.splitlines():
+            if raw.rstrip().endswith("\\"):
+                line += raw.rstrip()[:-1] + " "
+                continue
+            argv = shlex.split(line + raw, comments=True)
+            line = ""
+            if argv:
+                commands.append(argv)
+    return commands
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return FENCE.sub("", text)
+
+
+def code_spans(text: str) -> list[str]:
+    """The inline code of the prose, a span that wraps a line read as one line."""
+    return [" ".join(s.split()) for s in re.findall(r"`([^`]+?)`", prose(text)) if "\n\n" not in s]
+
+
+def links(text: str) -> list[str]:
+    """The relative targets of the prose's links and images (not inside code)."""
+    outside_code = re.sub(r"`[^`]+?`", "", prose(text))
+    return [t for t in LINK.findall(outside_code) if not re.match(r"[a-z]+:", t)]
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors of a page's headings as mkdocs (Python-Markdown's toc) makes them."""
+    anchors = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t]*#*$", prose(text), re.M):
+        plain = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        slug = re.sub(r"[^\w\s-]", "", plain.encode("ascii", "ignore").decode()).strip().lower()
+        anchors.add(re.sub(r"[-\s]+", "-", slug))
+    return anchors
+
+
+def flags_after(words: str, command: str) -> list[str]:
+    """The --flags after ``grpolab COMMAND`` in a piece of text (none when it does not name it)."""
+    match = re.search(rf"grpolab {command}\b", words)
+    return FLAG.findall(words[match.end():]) if match else []
+
+
+def command_flags(texts: dict[str, str], command: str) -> set[str]:
+    """Every --flag the pages give ``grpolab COMMAND``: on ```bash command lines, in inline code
+    naming the command (``make demo ARGS="..."`` is ``grpolab demo ...``), and in the code of the
+    command's own row of a commands table (the row whose first cell is `grpolab COMMAND ...`)."""
+    flags = set()
+    for text in texts.values():
+        for argv in bash_commands(text):
+            flags.update(flags_after(" ".join(argv), command))
+        for span in code_spans(text):
+            if command == "demo" and span.startswith("make demo ARGS="):
+                span = "grpolab demo " + span[len("make demo ARGS="):].strip("\"'")
+            flags.update(flags_after(span, command))
+        for row in re.findall(rf"^\| `grpolab {command}\b.*$", text, re.M):
+            flags.update(f for span in code_spans(row) for f in FLAG.findall(span))
+    return flags
+
+
+def named_commands(texts: dict[str, str]) -> dict[str, list[str]]:
+    """``grpolab COMMAND`` on command lines and in inline code -> the pages naming it."""
+    named: dict[str, list[str]] = {}
+    for page, text in texts.items():
+        pieces = [" ".join(argv) for argv in bash_commands(text)] + code_spans(text)
+        for piece in pieces:
+            for name in COMMAND.findall(piece):
+                named.setdefault(name, [])
+                if page not in named[name]:
+                    named[name].append(page)
+    return named
+
+
+def repository_paths(text: str) -> set[str]:
+    """configs/, benchmarks/, scripts/, docs/, grpolab/, tests/ paths in inline code and commands."""
+    named = {p for span in code_spans(text) if "<" not in span for p in REPO_PATH.findall(span)}  # not patterns
+    named |= {p for argv in bash_commands(text) for word in argv for p in REPO_PATH.findall(word)}
+    return named
+
+
+def dotted_names(text: str) -> set[str]:
+    """``grpolab.x.y`` in inline code, and a span that is a dotted name in a layer (``core.kl``)."""
+    names = set()
+    for span in code_spans(text):
+        names.update(DOTTED.findall(span))
+        if re.fullmatch(rf"(?:{LAYERS})(?:\.[A-Za-z_]\w*)+", span) and not FILE_NAME.search(span):
+            names.add("grpolab." + span)
+    return names
+
+
+# ---------------------------------------------------------------- running a command as printed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_run(argv: list[str], small: list[str], cwd: Path) -> tuple[list[str], dict, list[str]]:
+    """A page's command as the test runs it -> (argv, environment, what was appended): its
+    VAR=value words go to the environment, ``.venv/bin/grpolab`` -> ``python -m grpolab``,
+    ``torchrun`` -> ``python -m torch.distributed.run`` (on a free port), the small step counts
+    appended. A run that checkpoints (``checkpoint_every`` > 0 in its config or on its line)
+    checkpoints every step of the shortened run, so a later ``--resume`` finds a checkpoint exactly
+    where the full-length run would; one that does not checkpoint still does not."""
+    env = dict(ENV, PET_MASTER_PORT=str(_free_port()))
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        key, value = argv[0].split("=", 1)
+        env[key] = value
+        argv = argv[1:]
+    if argv[0] == ".venv/bin/grpolab":
+        argv = [sys.executable, "-m", "grpolab", *argv[1:]]
+    elif argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    extra = list(small)
+    if "--config" in argv and "--resume" not in argv:
+        config = yaml.safe_load((cwd / argv[argv.index("--config") + 1]).read_text(encoding="utf-8")) or {}
+        every = (argv[argv.index("--checkpoint-every") + 1] if "--checkpoint-every" in argv
+                 else config.get("checkpoint_every") or 0)
+        if int(every) > 0:
+            extra += ["--checkpoint-every", "1"]
+    return argv + extra, env, extra
+
+
+def printed_paths(stdout: str) -> list[str]:
+    """The files a command says it wrote: ``run directory:``, ``final model:``, ``metrics:`` (the
+    trainers), ``written: A, B`` (eval), ``wrote A`` (view)."""
+    paths = re.findall(r"^(?:run directory|final model|metrics):\s+(\S+)$", stdout, re.M)
+    for listed in re.findall(r"^written: (.+)$", stdout, re.M):
+        paths += [p.strip() for p in listed.split(",")]
+    return paths + re.findall(r"^wrote (\S+)$", stdout, re.M)
+
+
+def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path) -> tuple[int, list[str]]:
+    """Run (argv, small-step overrides, page) in order in ``scratch`` (a copy of ``configs/`` beside
+    them) -> (how many ran, the failures): exit code 0, and the printed paths exist (``grpolab
+    config``: what it prints loads as a YAML mapping)."""
+    shutil.copytree(ROOT / "configs", scratch / "configs")
+    failures = []
+    for argv, small, page in commands:
+        cmd, env, extra = as_run(argv, small, scratch)
+        proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                              stdin=subprocess.DEVNULL)
+        printed = f"{page}: {shlex.join(argv)}   [run with {shlex.join(extra)} appended]"
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            errors = ([ln for ln in lines if ln.startswith("grpolab: ")]  # a one-line error, else the exception
+                      or [ln for ln in lines if re.search(r"\b\w+(Error|Exception)\b:", ln)][-3:] or lines[-3:])
+            failures.append(f"{printed}\n    exit {proc.returncode}: {' | '.join(dict.fromkeys(errors))}")
+            continue
+        if "config" in argv[1:3]:  # grpolab config prints a config: it must load as one
+            try:
+                loaded = yaml.safe_load(proc.stdout)
+            except yaml.YAMLError as exc:
+                loaded = exc
+            if not isinstance(loaded, dict) or not loaded:
+                failures.append(f"{printed}\n    printed no YAML mapping: {str(loaded)[:200]}")
+            continue
+        paths = printed_paths(proc.stdout)
+        missing = [p for p in paths if not (scratch / p).exists()]
+        if not paths or missing:
+            failures.append(f"{printed}\n    printed paths {paths}; missing: {missing}")
+    return len(commands), failures
