@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
+.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ demo: setup
 # ruff (pyproject.toml [tool.ruff]: pyflakes, import order, lines of at most 120 characters); part of make test.
 lint: setup
 	$(BIN)/ruff check .
+
+# The generated pages: docs/reference/config.md (every config field, from the docstrings under the
+# fields), docs/reference/cli.md (every command's --help) and grpolab/cli/fields.json (the snapshot
+# --help reads). Run after changing a config field or a command; tests/cli/test_reference.py fails until then.
+reference: setup
+	$(BIN)/python -m grpolab.cli.reference
 
 # The docs site (mkdocs.yml, docs/): built strictly, so a broken link or a page left out of the nav
 # fails. Its packages (the docs extra) go into .venv the first time; CI does not need them.

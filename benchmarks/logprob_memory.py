@@ -1,6 +1,6 @@
 """Peak memory of scoring tokens with a real vocabulary: the old unchunked log-probs/entropy (whole
 (rows, L, V) float32 logits, then a log-softmax with its temporaries — reimplemented here as the
-baseline) against grpolab's chunked head (``core.get_response_log_probs``), on SmolLM2-135M-Instruct
+baseline) against grpolab's chunked head (``models.fused_head.response_log_probs``), on SmolLM2-135M-Instruct
 (vocab 49,152, GQA 9/3 heads, tied embeddings) when ``~/.cache/grpolab/SmolLM2-135M-Instruct`` exists
 (``scripts/real_model.py`` makes it), else on a random Llama of the same shapes (said in the output).
 Prints figures; not a test.
@@ -14,7 +14,7 @@ Two workloads, at ``--length`` tokens per row (default 1024):
   copies at its peak: configurations predicted above ``--max-baseline-gb`` are not run (their
   prediction is printed), the baseline is measured at fewer rows instead to show its growth.
 - train step: forward + backward of one micro-batch of ``--micro-batch`` rows with a GRPO-shaped
-  loss (advantage x log-prob + entropy bonus), as ``algorithms.gradients`` runs it.
+  loss (advantage x log-prob + entropy bonus), as ``algorithms.grpo_update`` runs it.
 
 Every figure is measured in a fresh subprocess: the model is loaded, the process's peak RSS is reset
 (``/proc/self/clear_refs``), the workload runs once, and the peak RSS (``VmHWM``) minus the RSS after
@@ -122,12 +122,13 @@ def eval_entropy(model, rows: int, length: int, impl: str) -> float:
 
 
 def train_step(model, rows: int, length: int, impl: str) -> float:
-    from grpolab.core import build_sequences, get_response_log_probs
+    from grpolab.core import build_sequences
+    from grpolab.models.fused_head import response_log_probs
 
     data = rollouts(rows, length, model.config.vocab_size)
     seq = build_sequences([r.prompt_ids for r in data], [r.response_ids for r in data], 2)
     model.train()
-    fn = get_response_log_probs if impl == "after" else old_get_response_log_probs
+    fn = response_log_probs if impl == "after" else old_get_response_log_probs
     out = fn(model, seq["input_ids"], seq["labels"], True)
     mask, adv = seq["response_mask"], torch.linspace(-1, 1, rows)[:, None]
     loss = -((adv * out["log_probs"] + 0.01 * out["token_entropy"]) * mask).sum() / mask.sum()

@@ -78,8 +78,8 @@ def _token_stats(logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool,
 
 
 def chunked_token_stats(source: torch.Tensor, labels: torch.Tensor, to_logits: Callable[[torch.Tensor], torch.Tensor],
-                   want_entropy: bool, temperature: float, step: int, *, owned: bool,
-                   needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        want_entropy: bool, temperature: float, step: int, *, owned: bool,
+                        needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_token_stats(to_logits(source[i:i+step]))`` over chunks of ``step`` rows of ``source``
     (N, D). With ``needs_grad`` and more than one chunk each chunk is checkpointed, so only one
     chunk's logits and their autograd state exist at a time, in the forward and in the backward."""
@@ -120,7 +120,8 @@ def log_probs_from_logits(
     step = logits_chunk_tokens(vocab, chunk_tokens)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     log_probs, entropy = chunked_token_stats(logits.reshape(-1, vocab), labels.reshape(-1), lambda z: z,
-                                        return_token_entropy, temperature, step, owned=False, needs_grad=needs_grad)
+                                             return_token_entropy, temperature, step, owned=False,
+                                             needs_grad=needs_grad)
     log_probs = log_probs.view(labels.shape)
     return log_probs, (entropy.view(labels.shape) if return_token_entropy else None)
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..rewards.verifiers import last_boxed
+
 
 class DataError(ValueError):
     """Malformed data; the message names the file and line."""
@@ -234,8 +236,6 @@ def load_gsm8k(path: str | Path, on_error: str = "raise") -> Loaded:
 
 
 def last_boxed_answer(solution: str) -> str:
-    from ..rewards.verifiers import last_boxed
-
     answer = last_boxed(solution)
     if answer is None or not answer.strip():
         raise ValueError("no \\boxed{...} answer in the solution")

@@ -46,7 +46,7 @@ def token_entropies(
                     continue
                 seq = build_sequences([r.prompt_ids for r in rows], [r.response_ids for r in rows], pad)
                 ent = response_log_probs(model, seq["input_ids"].to(device), seq["labels"].to(device),
-                                             return_token_entropy=True, temperature=scale)["token_entropy"]
+                                         return_token_entropy=True, temperature=scale)["token_entropy"]
                 ent = ent.float().cpu()
                 mask = seq["response_mask"]
                 for row in range(len(rows)):

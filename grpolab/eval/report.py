@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..data import DataError
+from ..data.datasets import read_jsonl_records, require_field
 from ..rewards import (
     RewardScorer,
     extract_r1_zero_answer,
@@ -45,8 +47,6 @@ def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: 
     ``hf:NAME[:CONFIG]`` through ``datasets`` (its test split; e.g.
     ``hf:Salesforce/wikitext:wikitext-103-raw-v1``). Documents are joined with blank lines."""
     if path.startswith("hf:"):
-        from ..data import DataError
-
         try:
             import datasets
         except ImportError:
@@ -58,8 +58,6 @@ def corpus_token_ids(path: str, tokenizer, text_field: str = "text", max_chars: 
             raise DataError(f"corpus {path!r} could not be loaded: {type(exc).__name__}: {exc}") from None
         text = "\n\n".join(row[text_field] for row in ds)
     elif path.endswith(".jsonl"):
-        from ..data.datasets import read_jsonl_records, require_field
-
         text = "\n\n".join(read_jsonl_records(path, lambda obj: str(require_field(obj, text_field))))
     else:
         text = Path(path).read_text(encoding="utf-8")

@@ -191,32 +191,14 @@ def run_tools_demo(run_dir: str | Path, seed: int = 0, sft_steps: int | None = N
             after = before
         timings["eval_after_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
-    summary = {
-        "task": "retrieval",
-        "task_options": TOOLS_TASK_OPTIONS,
-        "env": TOOLS_ENV,
-        "sft": sft,
-        "grpo": grpo,
-        "seed": seed,
-        "size": size,
-        "dtype": dtype,
-        "torch_threads": torch.get_num_threads(),
-        "test_examples": len(test),
-        "sft_final_nll": nll,
-        "before": before,
-        "after": after,
-        "grpo_history": history,
-        "grpo_stopped": stopped,
-        "sft_steps_run": sft_steps_run,
-        "tool_accuracy_gain_points": round(100 * (after["tools"]["accuracy"] - before["tools"]["accuracy"]), 1),
-        "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
-        "paths": {
-            "corpus": str(corpus),
-            "sft_final": str(sft_final),
-            "grpo_metrics": str(metrics_path),
-            "final": str(save_final(model, tokenizer, run_dir / "final")),
-        },
-    }
+    summary = {"task": "retrieval", "task_options": TOOLS_TASK_OPTIONS, "env": TOOLS_ENV, "sft": sft, "grpo": grpo,
+               "seed": seed, "size": size, "dtype": dtype, "torch_threads": torch.get_num_threads(),
+               "test_examples": len(test), "sft_final_nll": nll, "before": before, "after": after,
+               "grpo_history": history, "grpo_stopped": stopped, "sft_steps_run": sft_steps_run,
+               "tool_accuracy_gain_points": round(100 * (after["tools"]["accuracy"] - before["tools"]["accuracy"]), 1),
+               "wall_seconds": {k: round(v, 1) for k, v in timings.items()},
+               "paths": {"corpus": str(corpus), "sft_final": str(sft_final), "grpo_metrics": str(metrics_path),
+                         "final": str(save_final(model, tokenizer, run_dir / "final"))}}
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     log("\n" + _table(before, after))
     log(f"\ntool-use accuracy gain: {summary['tool_accuracy_gain_points']:+.1f} points   wall time: "

@@ -183,8 +183,8 @@ class _ChunkedHead:
                                                        self.step, self.want_entropy)
         else:
             log_probs, entropy = chunked_token_stats(hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1),
-                                                self.inner, self.want_entropy, self.temperature, self.step,
-                                                owned=True, needs_grad=needs_grad)
+                                                     self.inner, self.want_entropy, self.temperature, self.step,
+                                                     owned=True, needs_grad=needs_grad)
         packed = torch.stack([log_probs, entropy], -1) if self.want_entropy else log_probs.unsqueeze(-1)
         return packed.view(*self.labels.shape, packed.shape[-1])
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .lora import require_peft
 from .tiny import build_char_tokenizer, build_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,8 +95,6 @@ def load_adapter_model(path: str, dtype, device, gradient_checkpointing: bool, t
     """A peft LoRA adapter directory as one plain model: its base, loaded as any model, with the
     adapter applied and merged (W + scale * B A), so sampling, evaluation and further training
     (with or without a new adapter) see exactly the policy the adapter's run trained."""
-    from .lora import require_peft
-
     peft = require_peft()
     p = Path(path).expanduser()
     if not any(p.glob("adapter_model*.safetensors")):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from grpolab.core import build_sequences, get_response_log_probs, grpo_microbatch_train_step, sft_microbatch_train_step
+from grpolab.core import build_sequences, grpo_microbatch_train_step, sft_microbatch_train_step
 from grpolab.envs import (
     EnvBackend,
     apply_call_cost,
@@ -19,6 +19,7 @@ from grpolab.envs import (
     tool_metrics,
 )
 from grpolab.eval import evaluate
+from grpolab.models.fused_head import response_log_probs
 from grpolab.models.tiny import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 
@@ -57,7 +58,7 @@ def taught(tmp_path_factory):
     torch.set_num_threads(1)  # 4 short rows: one thread is as fast, and far faster on a busy machine
     try:
         for _ in range(100):
-            lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
+            lp = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
             sft_microbatch_train_step(lp, mask, 1)
             optimizer.step()
             optimizer.zero_grad()
@@ -94,7 +95,7 @@ def test_model_tokens_are_the_sampled_ids_with_the_samplers_log_probs(taught):
     assert sum(r.info["tool_calls"] for r in out) >= 12  # the taught behaviour: it does call the tools
     batch = build_sequences([r.prompt_ids for r in out], [r.response_ids for r in out], tok.pad_token_id)
     with torch.no_grad():
-        lp = get_response_log_probs(model, batch["input_ids"], batch["labels"], temperature=TEMPERATURE)["log_probs"]
+        lp = response_log_probs(model, batch["input_ids"], batch["labels"], temperature=TEMPERATURE)["log_probs"]
     for i, r in enumerate(out):
         assert len(r.response_ids) == len(r.logprobs) == len(r.loss_mask)
         start = len(r.prompt_ids) - 1
@@ -167,7 +168,7 @@ def test_observation_tokens_get_zero_gradient(taught):
     observation = batch["response_mask"] & ~mask
     assert observation.any() and mask.any()
     advantages = torch.linspace(-1, 1, len(out)).unsqueeze(1)
-    lp = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"].detach().requires_grad_()
+    lp = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"].detach().requires_grad_()
     loss, _ = grpo_microbatch_train_step(lp, mask, 1, "reinforce_with_baseline", advantages=advantages)
     assert lp.grad[observation].abs().max() == 0 and lp.grad[mask].abs().max() > 0
     changed = lp.detach().clone()

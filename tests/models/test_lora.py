@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("peft", reason="peft is not installed (pip install 'grpolab[scale]')")
 
-from grpolab.core import get_response_log_probs  # noqa: E402
 from grpolab.models import load_model_and_tokenizer  # noqa: E402
+from grpolab.models.fused_head import response_log_probs  # noqa: E402
 from grpolab.models.lora import AdapterDisabled, apply_lora, lora_scaling, merged_state_dict  # noqa: E402
 
 
@@ -32,11 +32,11 @@ def test_reference_log_probs_equal_the_base_models_and_merged_weights_equal_the_
     ids = torch.randint(5, 40, (3, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.roll(-1, 1)
     with torch.no_grad():
-        base_lp = get_response_log_probs(plain, ids, labels)["log_probs"]
-        ref_lp = get_response_log_probs(AdapterDisabled(model), ids, labels)["log_probs"]
-        adapted = get_response_log_probs(model, ids, labels)["log_probs"]
+        base_lp = response_log_probs(plain, ids, labels)["log_probs"]
+        ref_lp = response_log_probs(AdapterDisabled(model), ids, labels)["log_probs"]
+        adapted = response_log_probs(model, ids, labels)["log_probs"]
         plain.load_state_dict(merged_state_dict(model.state_dict(), lora_scaling(model)))
-        merged = get_response_log_probs(plain, ids, labels)["log_probs"]
+        merged = response_log_probs(plain, ids, labels)["log_probs"]
     assert torch.equal(ref_lp, base_lp)  # the base itself, bit for bit
     assert (adapted - base_lp).abs().max() > 1e-3  # the adapter does change the policy
     assert torch.allclose(merged, adapted, atol=1e-5)

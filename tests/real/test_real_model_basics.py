@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from grpolab.core import get_response_log_probs
+from grpolab.models.fused_head import response_log_probs
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 from tests.real import real_model
 
@@ -73,7 +73,7 @@ def test_the_weights_are_real_greedy_answers_and_log_probs(smollm2):
         full = torch.tensor([r.prompt_ids + r.response_ids])
         labels = torch.tensor([r.prompt_ids[1:] + r.response_ids + [0]])
         with torch.no_grad():
-            lp = get_response_log_probs(model, full, labels)["log_probs"][0]
+            lp = response_log_probs(model, full, labels)["log_probs"][0]
         start = len(r.prompt_ids) - 1
         trainer = lp[start : start + len(r.response_ids)]
         assert torch.allclose(torch.tensor(r.logprobs), trainer, atol=LOGPROB_TOL, rtol=0)

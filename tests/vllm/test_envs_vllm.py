@@ -5,9 +5,10 @@ equal to the trainer's with the observations in context."""
 import pytest
 import torch
 
-from grpolab.core import build_sequences, get_response_log_probs
+from grpolab.core import build_sequences
 from grpolab.envs import EnvBackend, build_env, loss_mask_tensor
 from grpolab.models import load_model_and_tokenizer
+from grpolab.models.fused_head import response_log_probs
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 from tests.helpers.tool_models import ENV, tool_prompts
 
@@ -46,7 +47,7 @@ def test_sampled_multi_turn_log_probs_are_the_trainers_with_observations_in_cont
     mask = batch["response_mask"] & loss_mask_tensor([len(r.prompt_ids) for r in out], [r.loss_mask for r in out],
                                                      batch["labels"].shape)
     with torch.no_grad():
-        trainer = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
+        trainer = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
     for i, r in enumerate(out):
         start = len(r.prompt_ids) - 1
         sampled = torch.tensor(r.logprobs)

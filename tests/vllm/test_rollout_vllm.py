@@ -5,8 +5,8 @@ strings and end ids as in the HF backend, reproducible seeds."""
 import pytest
 import torch
 
-from grpolab.core import get_response_log_probs
 from grpolab.models import load_model_and_tokenizer
+from grpolab.models.fused_head import response_log_probs
 from grpolab.rollout import HFRolloutBackend, SamplingParams, make_backend
 from tests.rollout import test_stops
 from tests.rollout.test_stops import SPELLINGS, bigram_model, ids_of
@@ -26,7 +26,7 @@ def trainer_log_probs(model, r, temperature):
     ids = torch.tensor([r.prompt_ids + r.response_ids])
     labels = torch.tensor([r.prompt_ids[1:] + r.response_ids + [0]])
     with torch.no_grad():
-        lp = get_response_log_probs(model.eval(), ids, labels, temperature=temperature)["log_probs"][0]
+        lp = response_log_probs(model.eval(), ids, labels, temperature=temperature)["log_probs"][0]
     start = len(r.prompt_ids) - 1
     return lp[start : start + len(r.response_ids)]
 

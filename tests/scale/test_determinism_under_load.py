@@ -1,4 +1,5 @@
-"""Same seed, same machine, same numbers — however busy the machine is: the same short GRPO run
+"""Same seed, same machine, same numbers — however busy the machine is (in the serial scale tier: its CPU
+hogs would slow the light tier's parallel workers): the same short GRPO run
 (the demo's task, two torch threads, its own reward workers) twice, once beside CPU hogs that keep
 every core busy, ends in bit-identical weights. Anything that depends on timing (a reward timeout,
 worker scheduling, a thread count chosen at run time) would make the two differ."""
