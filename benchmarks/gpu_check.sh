@@ -5,7 +5,7 @@
 #   2. rollout speed and the GRPO step time, HF backend vs vLLM, on a Qwen2-1.5B-shaped model with
 #      random weights in bfloat16 (Qwen2.5-Math-1.5B's config: 28 layers, hidden 1536), 256 new tokens;
 #   3. the real-model GRPO step, grpolab and TRL 1.16 side by side (benchmarks/real_model.py, the table
-#      of the README's "Speed on a real model"), where the SmolLM2-135M-Instruct cache (make real-model)
+#      of docs/results/speed-vs-trl.md), where the SmolLM2-135M-Instruct cache (make real-model)
 #      and trl==1.16.0 are there.
 # Prints one line and exits 0 where there is no GPU or no vllm.
 set -uo pipefail

@@ -30,7 +30,7 @@ SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_a
 # (one micro-batch of 16 responses of up to 64 tokens), without and with gradient checkpointing
 LONG = ["--gradient-accumulation-steps", "1", "--sampling-max-tokens", "64"]
 # (the five: one process, DDP, FSDP2, ZeRO-3, LoRA; and checkpointing where activations
-# dominate. LoRA under DDP/FSDP2 and the rest of the grid: `python benchmarks/memory.py`, README table)
+# dominate. LoRA under DDP/FSDP2 and the rest of the grid: `python benchmarks/memory.py`, docs/results/memory.md)
 SETTINGS = [("single", False, []), ("ddp", False, []), ("fsdp2", False, []), ("zero3", False, []),
             ("single", True, []), ("single + grad ckpt", False, LONG)]
 TOLERANCE = 0.25
