@@ -112,18 +112,13 @@ def measure(args, name: str, strategy: str, ranks: int, lora: bool, extra: list[
     per_rank = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(ranks)]
     steps = per_rank[0]["step_s"]  # rank 0's clock (ranks step in lock-step)
     cpu = [sum(c) for c in zip(*(r["step_cpu_s"] for r in per_rank))]  # CPU seconds of all ranks per step
-    return {
-        "status": "ok",
-        "ranks": ranks,
-        "threads_per_rank": threads,
-        "peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in per_rank],
-        "rss_after_imports_mb": [round(r["after_imports"]["rss_mb"], 1) for r in per_rank],
-        "step_s_median": round(statistics.median(steps), 3) if steps else None,
-        "step_s": [round(s, 3) for s in steps],
-        "step_cpu_s_median": round(statistics.median(cpu), 3) if cpu else None,
-        "step_cpu_s": [round(c, 3) for c in cpu],
-        "process_wall_s": round(wall, 1),
-    }
+    return {"status": "ok", "ranks": ranks, "threads_per_rank": threads,
+            "peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in per_rank],
+            "rss_after_imports_mb": [round(r["after_imports"]["rss_mb"], 1) for r in per_rank],
+            "step_s_median": round(statistics.median(steps), 3) if steps else None,
+            "step_s": [round(s, 3) for s in steps],
+            "step_cpu_s_median": round(statistics.median(cpu), 3) if cpu else None,
+            "step_cpu_s": [round(c, 3) for c in cpu], "process_wall_s": round(wall, 1)}
 
 
 def table(results: dict, idle: float) -> str:
@@ -177,11 +172,9 @@ def main() -> None:
                 print(f"  {key}: {r['status']} {r.get('peak_rss_mb', r.get('error', ''))} "
                       f"step {r.get('step_s_median')}s (process {r.get('process_wall_s')}s)", flush=True)
     print()
-    print(
-        f"GRPO on {args.model}, {args.steps} steps of 16 rollouts x <=16 tokens; "
-        f"{platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs; idle process {idle:.0f} MB"
-    )
+    print(f"GRPO on {args.model}, {args.steps} steps of 16 rollouts x <=16 tokens; "
+          f"{platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; idle process {idle:.0f} MB")
     print(table(results, idle))
     print(json.dumps({"idle_rss_mb": round(idle, 1), "steps": args.steps, "lora_r": args.lora_r,
                       "cpus": os.cpu_count(), "torch_threads_single": os.cpu_count(), "results": results}))

@@ -216,36 +216,14 @@ def trl_worker(args) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=MICRO_ROWS,
-            num_generations=GROUP,
-            gradient_accumulation_steps=GROUP * PROMPTS_PER_STEP // MICRO_ROWS,
-            max_completion_length=MAX_NEW,
-            temperature=1.0,
-            top_p=1.0,
-            learning_rate=LR,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            loss_type="grpo",
-            scale_rewards="group",
-            num_iterations=1,
-            max_steps=args.warmup + args.steps,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=args.device == "cpu",
-            bf16=args.dtype == "bfloat16",
-            seed=SEED,
-            shuffle_dataset=True,
-            disable_dropout=True,
-            **json.loads(args.trl_options),
-        )
+        cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=MICRO_ROWS, num_generations=GROUP,
+                         gradient_accumulation_steps=GROUP * PROMPTS_PER_STEP // MICRO_ROWS,
+                         max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, learning_rate=LR,
+                         lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95,
+                         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="grpo", scale_rewards="group",
+                         num_iterations=1, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no",
+                         report_to="none", use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=SEED,
+                         shuffle_dataset=True, disable_dropout=True, **json.loads(args.trl_options))
         trainer = TimedGRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=data,
                                    processing_class=tok, callbacks=[Timer()])
         trainer.train()
@@ -340,10 +318,8 @@ def main(argv=None) -> None:
           flush=True)
     floors = {t: run_worker(args, "floor", t) for t in thread_counts}
     for t, f in floors.items():
-        print(
-            f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s",
-            flush=True,
-        )
+        print(f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s",
+              flush=True)
     if args.dtypes == "auto":
         dtypes = ["float32"]
         if any(f["bfloat16"] > f["float32"] for f in floors.values()):

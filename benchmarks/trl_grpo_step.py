@@ -70,10 +70,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = [measure(size, args.steps) for size in args.sizes.split(",")]
     for r in results:
-        print(
-            f"TRL GRPOTrainer {r['size']:5} fp32: {r['completions_per_s']:7.1f} completions/s ({r['s_per_step']} "
-            "s/step)"
-        )
+        print(f"TRL GRPOTrainer {r['size']:5} fp32: {r['completions_per_s']:7.1f} completions/s ({r['s_per_step']} "
+              "s/step)")
     print(json.dumps({"trl": results}))
 
 

@@ -134,9 +134,8 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
         raise ValueError("no training pairs")
     with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer) as run:
         model, tokenizer = run.model, run.tokenizer
-        ref = run.track(
-            "reference_model", (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device)
-        )
+        ref = run.track("reference_model",
+                        (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device))
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_dpo_steps), cfg.n_dpo_steps, cfg.lr_schedule))
@@ -147,9 +146,8 @@ def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, res
             try:
                 return run.validate(
                     step,
-                    lambda: preference_accuracy(
-                        run.sampling_model, ref, tokenizer, held, cfg.beta, cfg.use_alpaca_template, run.device
-                    ),
+                    lambda: preference_accuracy(run.sampling_model, ref, tokenizer, held, cfg.beta,
+                                                cfg.use_alpaca_template, run.device),
                 )
             finally:
                 model.train()

@@ -81,14 +81,9 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend(
-            "hf",
-            run.sampling_model,
-            tokenizer,
-            generator=generator,
-            max_batch_size=cfg.rollout_max_batch_size,
-            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
-        )
+        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator,
+                               max_batch_size=cfg.rollout_max_batch_size,
+                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
         sampling, pad_id = cfg.sampling_params(), pad_token_id(tokenizer)
         sizes = run.track("filtered_sizes", ListState()).items
         for step in run.steps():
@@ -97,22 +92,18 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
                 [inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))]
             )
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch], cfg.group_size, sampling)
-            scores = scorer.score(
-                [r.scored_response for r in rollouts], [batch[r.prompt_index].answer for r in rollouts]
-            )
+            scores = scorer.score([r.scored_response for r in rollouts],
+                                  [batch[r.prompt_index].answer for r in rollouts])
             kept = [(r.prompt_ids, r.response_ids) for r, s in zip(rollouts, scores) if s["reward"] >= 1.0]
             kept = [pair for part in distributed.all_gather_objects(kept) for pair in part]
             entropy = token_entropies(run.sampling_model, rollouts[: min(len(rollouts), 256)], tokenizer,
                                       temperature=cfg.sampling_temperature)
             sizes.append(len(kept))
-            record = {
-                "ei_step": step,
-                "ei/filtered_size": len(kept),
-                "ei/sampled": distributed.all_reduce(len(rollouts)),
-                "ei/reward": sum(s["reward"] for s in scores) / len(scores),
-                "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
-                "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
-            }
+            record = {"ei_step": step, "ei/filtered_size": len(kept),
+                      "ei/sampled": distributed.all_reduce(len(rollouts)),
+                      "ei/reward": sum(s["reward"] for s in scores) / len(scores),
+                      "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
+                      "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
             if len(kept) >= cfg.gradient_accumulation_steps * distributed.current().world_size:
                 losses = sft_on_kept(run, optimizer, kept, cfg, step, pad_id)
                 record["ei/sft_token_nll"] = sum(losses) / len(losses)

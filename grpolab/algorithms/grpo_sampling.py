@@ -38,12 +38,9 @@ class ScoredGroups:
 def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tuple[list, list[dict], torch.Tensor]:
     """Sample and score one batch of prompts; the rewards include the overlong penalty when asked."""
     rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
-    scores = scorer.score(
-        [r.scored_response for r in rollouts],
-        [examples[r.prompt_index].answer for r in rollouts],
-        prompts=[r.prompt for r in rollouts],
-        questions=[examples[r.prompt_index].question for r in rollouts],
-    )
+    scores = scorer.score([r.scored_response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts],
+                          prompts=[r.prompt for r in rollouts],
+                          questions=[examples[r.prompt_index].question for r in rollouts])
     scores = apply_call_cost(scores, rollouts, getattr(cfg, "call_cost", 0.0))  # tool use: a price per call
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_buffer_len:
@@ -94,15 +91,8 @@ def sample_groups(backend, scorer, sampler, inputs, cfg, sampling) -> ScoredGrou
     groups = kept[:need] + dropped[:filled]
     total = {
         k: distributed.all_reduce(v)
-        for k, v in (
-            ("drawn", drawn),
-            ("kept", min(len(kept), need)),
-            ("dropped", len(dropped)),
-            ("unused", unused),
-            ("filled", filled),
-            ("tok_kept", tokens["kept"]),
-            ("tok_dropped", tokens["dropped"]),
-        )
+        for k, v in (("drawn", drawn), ("kept", min(len(kept), need)), ("dropped", len(dropped)), ("unused", unused),
+                     ("filled", filled), ("tok_kept", tokens["kept"]), ("tok_dropped", tokens["dropped"]))
     }
     stats = {
         "sampling/rounds": rounds, "sampling/groups_drawn": total["drawn"], "sampling/groups_kept": total["kept"],

@@ -132,9 +132,8 @@ def train_rm(
         def held_out(step: int) -> dict[str, float]:
             model.eval()
             try:
-                return run.validate(
-                    step, lambda: pairwise_accuracy(run.sampling_model, tokenizer, held, cfg, run.device)
-                )
+                return run.validate(step,
+                                    lambda: pairwise_accuracy(run.sampling_model, tokenizer, held, cfg, run.device))
             finally:
                 model.train()
 

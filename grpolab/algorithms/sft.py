@@ -183,15 +183,8 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
                               f"most {cfg.n_sft_steps}: stopping")
                 break
             batch = distributed.shard([sequences[i] for i in sampler.next(cfg.train_batch_size)])
-            loss, nll, tok = accumulate_sft_gradient(
-                run.model,
-                batch,
-                cfg.gradient_accumulation_steps,
-                cfg.normalize_constant,
-                pad_id,
-                run.device,
-                run.autocast,
-            )
+            loss, nll, tok = accumulate_sft_gradient(run.model, batch, cfg.gradient_accumulation_steps,
+                                                     cfg.normalize_constant, pad_id, run.device, run.autocast)
             result = run.optimizer_step(optimizer, scheduler, loss)
             run.log_update({"train_step": step, "train/loss": loss, "train/token_nll": nll / max(tok, 1.0)}, result,
                            optimizer)

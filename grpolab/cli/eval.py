@@ -88,11 +88,8 @@ def _eval_plan(model, questions: int, k: int, max_tokens: int, autocast) -> str:
     batch = min(rows, 64)
     total = rows * max_tokens
     ids = torch.zeros((batch, 1), dtype=torch.long, device=next(model.parameters()).device)
-    ctx = (
-        torch.autocast(ids.device.type, dtype=autocast)
-        if autocast is not None
-        else torch.autocast("cpu", enabled=False)
-    )
+    off = torch.autocast("cpu", enabled=False)
+    ctx = torch.autocast(ids.device.type, dtype=autocast) if autocast is not None else off
     with torch.inference_mode(), ctx:
         model(ids)  # warm-up
         t0 = time.perf_counter()

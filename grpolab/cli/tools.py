@@ -14,12 +14,10 @@ from .train import _trainers
 
 @app.command()
 def view(
-    run_dirs: list[Path] = typer.Argument(
-        ..., help="Run directories (each with metrics.jsonl); later ones are overlaid."
-    ),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="The HTML file (default: view.html in the first run directory)."
-    ),
+    run_dirs: list[Path] = typer.Argument(...,
+                                          help="Run directories (each with metrics.jsonl); later ones are overlaid."),
+    out: Optional[Path] = typer.Option(None, "--out",
+                                       help="The HTML file (default: view.html in the first run directory)."),
     serve: bool = typer.Option(False, "--serve", help="Serve the page on 127.0.0.1 (rebuilt at each load) instead."),
     port: int = typer.Option(8000, "--port", help="With --serve: the port (0: any free one)."),
 ) -> None:
@@ -55,14 +53,12 @@ def plan(
     config: Path = typer.Option(
         ..., "--config", "-c", help="Any trainer's YAML config; --field value overrides follow."
     ),
-    gpus: Optional[int] = typer.Option(
-        None, "--gpus", help="GPUs (one rank each); without it: this machine's CPU and memory."
-    ),
+    gpus: Optional[int] = typer.Option(None, "--gpus",
+                                       help="GPUs (one rank each); without it: this machine's CPU and memory."),
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Memory of each GPU in GiB (e.g. 80)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="On the CPU: processes (torchrun --nproc_per_node)."),
-    method: Optional[str] = typer.Option(
-        None, "--method", help=f"{or_list(METHODS)} (default: from the config's steps key)."
-    ),
+    method: Optional[str] = typer.Option(None, "--method",
+                                         help=f"{or_list(METHODS)} (default: from the config's steps key)."),
     architecture: Optional[str] = typer.Option(
         None,
         "--architecture",

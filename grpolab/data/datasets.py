@@ -242,28 +242,24 @@ def last_boxed_answer(solution: str) -> str:
     return answer.strip()
 
 
-def load_math(
-    path: str | Path, question_field: str = "problem", solution_field: str = "solution", on_error: str = "raise"
-) -> Loaded:
+def load_math(path: str | Path, question_field: str = "problem", solution_field: str = "solution",
+              on_error: str = "raise") -> Loaded:
     """MATH JSONL (``problem``, ``solution``): answer = the last ``\\boxed{...}`` (nested braces handled).
     A record that already has an ``answer`` field keeps it."""
 
     def convert(obj):
         solution = str(require_field(obj, solution_field))
-        answer = (
-            obj.get("answer")
-            if isinstance(obj, dict) and obj.get("answer") not in (None, "")
-            else last_boxed_answer(solution)
-        )
+        answer = (obj.get("answer")
+                  if isinstance(obj, dict) and obj.get("answer") not in (None, "")
+                  else last_boxed_answer(solution))
         response = f"{solution.strip()}</think> <answer>{answer}</answer>"
         return Example(str(require_field(obj, question_field)), answer, response)
 
     return read_jsonl_records(path, convert, on_error)
 
 
-def load_sft_pairs(
-    path: str | Path, prompt_field: str = "prompt", response_field: str = "response", on_error: str = "raise"
-) -> Loaded:
+def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_field: str = "response",
+                   on_error: str = "raise") -> Loaded:
     """SFT pairs ``{"prompt", "response"}`` (CS336 ``sft.jsonl``) — or TRL's formats:
     ``{"prompt", "completion"}`` and ``{"messages"}`` (a whole conversation, its assistant turns
     imitated). A prompt may be a conversation (a list of ``{role, content}``), a completion a list

@@ -55,9 +55,8 @@ def reference_perplexity(model, tokenizer, prompts, responses, batch_size: int =
     """exp(mean NLL per token) of reference responses given their prompts."""
     nll, count = 0.0, 0
     for i in range(0, len(prompts), batch_size):
-        sums, counts = sum_response_log_probs(
-            model, tokenizer, prompts[i : i + batch_size], responses[i : i + batch_size]
-        )
+        sums, counts = sum_response_log_probs(model, tokenizer, prompts[i : i + batch_size],
+                                              responses[i : i + batch_size])
         nll -= float(sums.sum())
         count += int(counts.sum())
     return math.exp(nll / max(count, 1))
@@ -98,47 +97,23 @@ def compare_methods(run_dir: Path, steps: int, common: dict, include_ei: bool, e
     mle_steps = budget // DEMO_SFT["train_batch_size"]
     methods = {
         "MLE (SFT)": (
-            SFTConfig(
-                **{
-                    **DEMO_SFT,
-                    **common,
-                    **COMPARE_MLE,
-                    "run_dir": str(run_dir / "mle"),
-                    "n_sft_steps": mle_steps,
-                    "eval_every": max(1, mle_steps // 4),
-                    "sampling_max_tokens": max_tokens,
-                }
-            ),
+            SFTConfig(**{**DEMO_SFT, **common, **COMPARE_MLE, "run_dir": str(run_dir / "mle"), "n_sft_steps": mle_steps,
+                         "eval_every": max(1, mle_steps // 4), "sampling_max_tokens": max_tokens}),
             train_sft,
             "sft_step",
             DEMO_SFT["train_batch_size"],
         ),
         "PPO": (
-            PPOConfig(
-                **{
-                    **common,
-                    **COMPARE_PPO,
-                    "run_dir": str(run_dir / "ppo"),
-                    "n_ppo_steps": steps,
-                    "sampling_max_tokens": max_tokens,
-                    "eval_every": eval_every,
-                }
-            ),
+            PPOConfig(**{**common, **COMPARE_PPO, "run_dir": str(run_dir / "ppo"), "n_ppo_steps": steps,
+                         "sampling_max_tokens": max_tokens, "eval_every": eval_every}),
             train_ppo,
             "ppo_step",
             ROLLOUTS_PER_STEP,
         ),
         "GRPO": (
             GRPOConfig(
-                **{
-                    **DEMO_GRPO,
-                    **common,
-                    **COMPARE_GRPO,
-                    "run_dir": str(run_dir / "grpo"),
-                    "n_grpo_steps": steps,
-                    "eval_every": eval_every,
-                    "env": env,
-                }
+                **{**DEMO_GRPO, **common, **COMPARE_GRPO, "run_dir": str(run_dir / "grpo"), "n_grpo_steps": steps,
+                   "eval_every": eval_every, "env": env}
             ),
             train_grpo,
             "grpo_step",
@@ -202,11 +177,8 @@ def run_compare(run_dir: Path, seed: int = 0, steps: int = 100, k: int = 4, test
             "format_rate": metrics["format_rate"],
             "mean_length": metrics["mean_length"],
             "wall_s": round(wall_s, 1),
-            **(
-                {"tool_call_rate": metrics["tool_call_rate"], "mean_tool_calls": metrics["mean_tool_calls"]}
-                if env is not None
-                else {}
-            ),
+            **({"tool_call_rate": metrics["tool_call_rate"], "mean_tool_calls": metrics["mean_tool_calls"]}
+               if env is not None else {}),
         }
 
     rows = {"SFT warm start": score(base, warm_s)}

@@ -60,9 +60,8 @@ def run_demo(run_dir: Path, seed: int = 0, sft_steps: int | None = None, grpo_st
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    common = dict(
-        task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress, dtype=dtype
-    )
+    common = dict(task=TASK, task_options=TASK_OPTIONS, seed=seed, device="cpu", show_progress=show_progress,
+                  dtype=dtype)
 
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer("embedded:tiny", seed=seed)

@@ -68,24 +68,11 @@ TOOLS_SFT = dict(n_sft_steps=1500, train_batch_size=32, gradient_accumulation_st
                  stop_at_eval_accuracy=SFT_TARGET, log_generations_samples=0, sampling_max_tokens=40)
 TOOLS_RAG_EXAMPLES = 500  # of the SFT questions also shown as retrieval-augmented prompts
 # GRPO with the live tool: 8 questions x 8 answers per step, one on-policy optimizer step
-TOOLS_GRPO = dict(
-    n_grpo_steps=100,
-    rollout_batch_size=64,
-    group_size=8,
-    train_batch_size=64,
-    gradient_accumulation_steps=2,
-    learning_rate=2e-4,
-    warmup_steps=0,
-    loss_type="reinforce_with_baseline",
-    use_std_normalization=False,
-    length_normalization="masked_normalize",
-    sampling_temperature=1.0,
-    sampling_min_tokens=1,
-    sampling_max_tokens=40,
-    prompt_template="compact",
-    eval_examples=50,
-    log_generations_samples=0,
-)
+TOOLS_GRPO = dict(n_grpo_steps=100, rollout_batch_size=64, group_size=8, train_batch_size=64,
+                  gradient_accumulation_steps=2, learning_rate=2e-4, warmup_steps=0,
+                  loss_type="reinforce_with_baseline", use_std_normalization=False,
+                  length_normalization="masked_normalize", sampling_temperature=1.0, sampling_min_tokens=1,
+                  sampling_max_tokens=40, prompt_template="compact", eval_examples=50, log_generations_samples=0)
 TOOLS_TEST_EXAMPLES = 200
 # the retrieval-augmented prompt: the passage right before the answer is opened, a short copy
 # distance (the builtin rag_compact puts it before the question)

@@ -35,35 +35,19 @@ COMPARE_EI = dict(n_ei_steps=4, group_size=8, learning_rate=3e-4, train_batch_si
 # steps per rollout batch), since an on-policy ratio is always 1.
 VARIANTS = {
     "grpo": dict(loss_type="reinforce_with_baseline", use_std_normalization=True, length_normalization="masked_mean"),
-    "dr_grpo": dict(
-        loss_type="reinforce_with_baseline", use_std_normalization=False, length_normalization="masked_normalize"
-    ),
-    "dapo": dict(
-        loss_type="grpo_clip",
-        use_std_normalization=True,
-        cliprange=0.2,
-        cliprange_high=0.28,
-        length_normalization="token_mean",
-        train_batch_size=64,
-        dynamic_sampling=True,
-        max_sampling_rounds=3,
-        overlong_buffer_len=8,
-        overlong_penalty_factor=1.0,
-    ),
+    "dr_grpo": dict(loss_type="reinforce_with_baseline", use_std_normalization=False,
+                    length_normalization="masked_normalize"),
+    "dapo": dict(loss_type="grpo_clip", use_std_normalization=True, cliprange=0.2, cliprange_high=0.28,
+                 length_normalization="token_mean", train_batch_size=64, dynamic_sampling=True, max_sampling_rounds=3,
+                 overlong_buffer_len=8, overlong_penalty_factor=1.0),
     "gspo": dict(
         loss_type="gspo", use_std_normalization=True, cliprange=3e-4, cliprange_high=4e-4, train_batch_size=64
     ),
-    "cispo": dict(
-        loss_type="cispo",
-        use_std_normalization=True,
-        cliprange_high=0.28,
-        length_normalization="token_mean",
-        train_batch_size=64,
-    ),
+    "cispo": dict(loss_type="cispo", use_std_normalization=True, cliprange_high=0.28, length_normalization="token_mean",
+                  train_batch_size=64),
     "rloo": dict(advantage_estimator="rloo", length_normalization="masked_normalize"),
-    "reinforce_pp": dict(
-        advantage_estimator="reinforce_plus_plus", group_baseline=True, length_normalization="masked_normalize"
-    ),
+    "reinforce_pp": dict(advantage_estimator="reinforce_plus_plus", group_baseline=True,
+                         length_normalization="masked_normalize"),
 }
 
 # grpolab compare --variants: the demo's warm start (400 SFT steps; 200 left every variant inside the

@@ -114,17 +114,9 @@ def run_rm_chain(run_dir: Path, seed: int = 0, sft_steps: int | None = None, rm_
 
     before = test_eval()
     t = time.perf_counter()
-    grpo = GRPOConfig(
-        **{
-            **DEMO_GRPO,
-            **common,
-            "run_dir": str(run_dir / "grpo"),
-            "reward": rm_reward(rm_result.final_dir),
-            "kl_coef": CHAIN_KL_COEF,
-            **({"n_grpo_steps": grpo_steps} if grpo_steps else {}),
-            **(grpo_overrides or {}),
-        }
-    )
+    grpo = GRPOConfig(**{**DEMO_GRPO, **common, "run_dir": str(run_dir / "grpo"),
+                         "reward": rm_reward(rm_result.final_dir), "kl_coef": CHAIN_KL_COEF,
+                         **({"n_grpo_steps": grpo_steps} if grpo_steps else {}), **(grpo_overrides or {})})
     grpo_result = train_grpo(grpo, model=model, tokenizer=tok, overwrite=True)
     wall["grpo_s"] = time.perf_counter() - t
     after = test_eval()

@@ -176,16 +176,14 @@ def summarize(runs: dict[str, list[dict]], seeds: int, budget: int, n_test: int,
     table = {}
     for name, per_seed in runs.items():
         acc = [r["accuracy"] for r in per_seed]
-        table[name] = {
-            "accuracy_mean": statistics.fmean(acc),
-            "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-            "vs_baseline": paired(acc, [r["accuracy"] for r in runs[baseline]]),
-            "accuracy_at_equal_wall": statistics.fmean(accuracy_at(r["wall"], equal_wall) for r in per_seed),
-            "curve_area": statistics.fmean(curve_area(r["samples"]) for r in per_seed),
-            "wall_s_mean": statistics.fmean(r["wall_s"] for r in per_seed),
-            "tokens_trained_mean": statistics.fmean(r["tokens_trained"] for r in per_seed),
-            "groups_dropped_mean": statistics.fmean(r["groups_dropped"] for r in per_seed),
-        }
+        table[name] = {"accuracy_mean": statistics.fmean(acc),
+                       "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                       "vs_baseline": paired(acc, [r["accuracy"] for r in runs[baseline]]),
+                       "accuracy_at_equal_wall": statistics.fmean(accuracy_at(r["wall"], equal_wall) for r in per_seed),
+                       "curve_area": statistics.fmean(curve_area(r["samples"]) for r in per_seed),
+                       "wall_s_mean": statistics.fmean(r["wall_s"] for r in per_seed),
+                       "tokens_trained_mean": statistics.fmean(r["tokens_trained"] for r in per_seed),
+                       "groups_dropped_mean": statistics.fmean(r["groups_dropped"] for r in per_seed)}
         if warm_accuracy:
             table[name]["gain_over_warm_start"] = paired(acc, warm_accuracy)
     return {"seeds": seeds, "sample_budget": budget, "test_questions": n_test, "baseline": baseline,
@@ -228,11 +226,8 @@ def write_report(run_dir: Path, report: dict) -> None:
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2))
     atomic_write_text(run_dir / "report.md", format_report(report))
     _plot(report, run_dir / "report.png")
-    print(
-        "\n"
-        + format_report(report)
-        + f"written: {run_dir / 'report.md'}, {run_dir / 'report.json'}, {run_dir / 'report.png'}"
-    )
+    written = f"written: {run_dir / 'report.md'}, {run_dir / 'report.json'}, {run_dir / 'report.png'}"
+    print("\n" + format_report(report) + written)
 
 
 def _band(series: list[list[tuple[float, float]]]):

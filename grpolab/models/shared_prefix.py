@@ -85,9 +85,8 @@ def shared_prefix_response_log_probs(
         cache.batch_select_indices(index)
         inputs = labels[:, :-1]
         attn = torch.cat([p_mask.index_select(0, index), resp_mask[:, :-1].long()], dim=1)
-        pos = torch.tensor(p_len, device=device).index_select(0, index)[:, None] + torch.arange(
-            t_resp - 1, device=device
-        )
+        starts = torch.tensor(p_len, device=device).index_select(0, index)[:, None]
+        pos = starts + torch.arange(t_resp - 1, device=device)
         # the rest without their (rows, t_resp - 1, vocab) logits: chunked over positions (core.logprobs)
         rest = log_probs_from_forward(
             model, labels[:, 1:],

@@ -26,12 +26,10 @@ CHARACTERS = [chr(i) for i in range(32, 127)] + ["\n"]
 
 # name -> LlamaConfig fields. tiny ~0.9M parameters, small ~9.5M.
 TINY_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        hidden_size=128, intermediate_size=344, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2
-    ),
-    "small": dict(
-        hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2
-    ),
+    "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=5, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=2),
 }
 
 

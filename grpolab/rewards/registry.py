@@ -227,11 +227,9 @@ def _check_model_component(spec: dict, where: str) -> dict:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        msg = (
-            "unknown key; expected " + ", ".join(RewardModelOptions.model_fields)
-            if err["type"] == "extra_forbidden"
-            else err["msg"].removeprefix("Value error, ")
-        )
+        msg = ("unknown key; expected " + ", ".join(RewardModelOptions.model_fields)
+               if err["type"] == "extra_forbidden"
+               else err["msg"].removeprefix("Value error, "))
         raise ValueError(" ".join(f"{where}.{loc}: {msg}".split())) from None
 
 

@@ -42,10 +42,8 @@ class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2_w, self.ln2_eps = (
-            layer.post_attention_layernorm.weight,
-            layer.post_attention_layernorm.variance_epsilon,
-        )
+        self.ln2_w, self.ln2_eps = (layer.post_attention_layernorm.weight,
+                                    layer.post_attention_layernorm.variance_epsilon)
         # q, k and v in one matmul
         self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]

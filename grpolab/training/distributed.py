@@ -170,11 +170,9 @@ def all_reduce(value, op: str = "sum"):
     """Sum (or max/min) of a float, int or tensor over ranks; the value itself in one process."""
     if not current().enabled or current().world_size == 1:
         return value
-    t = (
-        value.detach().clone().double()
-        if isinstance(value, torch.Tensor)
-        else torch.tensor(float(value), dtype=torch.float64)
-    )
+    t = (value.detach().clone().double()
+         if isinstance(value, torch.Tensor)
+         else torch.tensor(float(value), dtype=torch.float64))
     device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
     t = t.to("cuda" if device.type == "cuda" else "cpu")
     tdist.all_reduce(t, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op])
@@ -222,12 +220,10 @@ def mean_metrics(record: dict, weight: float = 1.0) -> dict:
     gathered = all_gather_objects((record, float(weight)))
     out = dict(gathered[0][0])
     for key, value in out.items():
-        if (
-            isinstance(value, (int, float))
+        if (isinstance(value, (int, float))
             and not isinstance(value, bool)
             and not key.endswith("_step")
-            and key != "epoch"
-        ):
+            and key != "epoch"):
             pairs = [(r[key], w) for r, w in gathered if isinstance(r.get(key), (int, float))]
             total = sum(w for _, w in pairs) or 1.0
             out[key] = max(v for v, _ in pairs) if key.endswith("_max") else sum(v * w for v, w in pairs) / total

@@ -58,11 +58,9 @@ class HealthMonitor:
             found.append(
                 (
                     "truncation",
-                    (
-                        f"{m['truncation_rate']:.0%} of responses hit sampling_max_tokens for {self.window} steps: "
-                        "truncated responses never reach '</answer>' and score 0. Raise sampling_max_tokens, or check "
-                        "the stop strings."
-                    ),
+                    (f"{m['truncation_rate']:.0%} of responses hit sampling_max_tokens for {self.window} steps: "
+                     "truncated responses never reach '</answer>' and score 0. Raise sampling_max_tokens, or check "
+                     "the stop strings."),
                 )
             )
         if self._streak("format", m["format_failure_rate"] >= 1.0) >= self.window:

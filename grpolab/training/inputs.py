@@ -127,11 +127,9 @@ def load_inputs(cfg, tokenizer=None) -> Inputs:
     """The examples, template and reward of a config with the shared data fields; ``tokenizer``
     (else the model directory's) renders chat prompts."""
     task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options) if cfg.task is not None else None
-    train = (
-        task.examples("train", cfg.task_train_size)
-        if task is not None
-        else load_examples(cfg.train_data, **data_options(cfg))
-    )
+    train = (task.examples("train", cfg.task_train_size)
+             if task is not None
+             else load_examples(cfg.train_data, **data_options(cfg)))
     if cfg.eval_data:
         evals = load_examples(cfg.eval_data, **data_options(cfg))
     else:

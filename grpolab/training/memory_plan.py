@@ -297,20 +297,12 @@ def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: 
     _sampler(cfg, m, hw, plan.notes)
     ckpt = cfg.gradient_checkpointing
     acts = rows * m.seq * shape.activation_bytes_per_token(ckpt, m.bf16)
-    plan.terms = {
-        "weights": m.weights,
-        "gradients": m.gradients,
-        "optimizer states (AdamW)": m.optimizer,
-        "sampler's weight copy": m.replica,
-        "sampler's fused q/k/v, gate/up (hf)": m.fused,
-        "ZeRO-3 gradient bucket": m.bucket,
-        "reference model": m.reference,
-        "activations": acts,
-        "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts,
-        "vLLM weights": m.engine,
-        "KV cache": m.kv_cache,
-        "activations (other setting)": rows * m.seq * shape.activation_bytes_per_token(not ckpt, m.bf16),
-    }
+    plan.terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states (AdamW)": m.optimizer,
+                  "sampler's weight copy": m.replica, "sampler's fused q/k/v, gate/up (hf)": m.fused,
+                  "ZeRO-3 gradient bucket": m.bucket, "reference model": m.reference, "activations": acts,
+                  "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts, "vLLM weights": m.engine,
+                  "KV cache": m.kv_cache,
+                  "activations (other setting)": rows * m.seq * shape.activation_bytes_per_token(not ckpt, m.bf16)}
     plan.phases = phase_peaks(m, rows, ckpt)
     for checkpointing in (ckpt, True) if not ckpt else (True,):
         name = "with checkpointing" if checkpointing else "without checkpointing"

@@ -72,12 +72,8 @@ class Run:
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
         self.claim = None  # the run directory's lock (rank 0), taken before anything in it is touched
-        self.dist = distributed.setup(
-            cfg.distributed,
-            resolve_device(cfg.device),
-            deepspeed_config=cfg.deepspeed_config,
-            fsdp_cpu_offload=cfg.fsdp_cpu_offload,
-        )
+        self.dist = distributed.setup(cfg.distributed, resolve_device(cfg.device),
+                                      deepspeed_config=cfg.deepspeed_config, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
         self.is_main = self.dist.is_main
         try:
             check_distributed(cfg, self.dist)

@@ -176,10 +176,8 @@ class PolicyUpdateConfig(SampledRunConfig):
                 f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by group_size ({self.group_size})"
             )
         if self.rollout_batch_size % self.train_batch_size:
-            raise ValueError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size "
-                f"({self.train_batch_size})"
-            )
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by train_batch_size "
+                             f"({self.train_batch_size})")
         if self.kl_coef_min > self.kl_coef_max:
             raise ValueError(f"kl_coef_min ({self.kl_coef_min}) exceeds kl_coef_max ({self.kl_coef_max})")
         return self
@@ -187,7 +185,6 @@ class PolicyUpdateConfig(SampledRunConfig):
     def kl_controller(self):
         """The KL coefficient's controller: fixed (0 when kl_coef is 0), or adaptive."""
         if self.kl_adaptive and self.kl_coef > 0:
-            return AdaptiveKLController(
-                self.kl_coef, self.kl_target, self.kl_horizon, self.kl_coef_min, self.kl_coef_max
-            )
+            return AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon, self.kl_coef_min,
+                                        self.kl_coef_max)
         return FixedKLController(self.kl_coef)

@@ -107,16 +107,8 @@ def test_dpo_preference_accuracy_rises_on_separable_pairs(tmp_path):
 
 def test_dpo_on_task_pairs_moves_the_margin(tmp_path):
     result = train_dpo(
-        DPOConfig(
-            n_dpo_steps=5,
-            train_batch_size=4,
-            task_train_size=20,
-            eval_pairs=8,
-            learning_rate=1e-3,
-            run_dir=str(tmp_path / "t"),
-            show_progress=False,
-            device="cpu",
-        )
+        DPOConfig(n_dpo_steps=5, train_batch_size=4, task_train_size=20, eval_pairs=8, learning_rate=1e-3,
+                  run_dir=str(tmp_path / "t"), show_progress=False, device="cpu")
     )
     assert result.before["preference_accuracy"] == 0.0 and result.before["reward_margin"] == 0.0
     assert result.after["reward_margin"] != 0.0
@@ -130,16 +122,8 @@ def test_dpo_on_a_preference_file(tmp_path):
         for i in range(30):
             f.write(json.dumps({"prompt": f"say {i}", "chosen": f"{i}", "rejected": f"{i + 1}"}) + "\n")
     result = train_dpo(
-        DPOConfig(
-            task=None,
-            train_data=str(data),
-            n_dpo_steps=2,
-            train_batch_size=4,
-            use_alpaca_template=True,
-            run_dir=str(tmp_path / "d"),
-            show_progress=False,
-            device="cpu",
-        )
+        DPOConfig(task=None, train_data=str(data), n_dpo_steps=2, train_batch_size=4, use_alpaca_template=True,
+                  run_dir=str(tmp_path / "d"), show_progress=False, device="cpu")
     )
     assert result.before["preference_accuracy"] == 0.0  # 3 held-out pairs (a seeded tenth), no margin before training
     assert result.after["preference_accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and result.after["reward_margin"] != 0.0

@@ -68,17 +68,9 @@ def test_expert_iteration_filters_and_trains(tmp_path, monkeypatch, tiny_model, 
 
     monkeypatch.setattr(ei, "make_backend", recording_backend)
     monkeypatch.setattr(ei, "accumulate_sft_gradient", recording_accumulate)
-    cfg = EIConfig(
-        n_ei_steps=2,
-        ei_batch_size=8,
-        group_size=4,
-        train_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-3,
-        run_dir=str(tmp_path / "ei"),
-        reward="tests.helpers.reward_fixtures:reward_any_digit",
-        **small_run,
-    )
+    cfg = EIConfig(n_ei_steps=2, ei_batch_size=8, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
+                   learning_rate=1e-3, run_dir=str(tmp_path / "ei"),
+                   reward="tests.helpers.reward_fixtures:reward_any_digit", **small_run)
     model, tok = tiny_model()
     before = weights(model)
     result = train_expert_iteration(cfg, model=model, tokenizer=tok)

@@ -42,18 +42,14 @@ def final_weights(result):
 @pytest.mark.parametrize(
     "over,message",
     [
-        (
-            dict(train_batch_size=10, gradient_accumulation_steps=4),
-            "train_batch_size (10) must be divisible by gradient_accumulation_steps (4)",
-        ),
+        (dict(train_batch_size=10, gradient_accumulation_steps=4),
+         "train_batch_size (10) must be divisible by gradient_accumulation_steps (4)"),
         (dict(rollout_batch_size=10, group_size=4), "rollout_batch_size (10) must be divisible by group_size (4)"),
         (dict(learning_rate=-1), "'learning_rate'"),
         (dict(loss_type="ppo"), "'loss_type'"),
         (dict(banana=1), "unknown key 'banana'"),
-        (
-            dict(train_batch_size=4, group_size=8, rollout_batch_size=16, gradient_accumulation_steps=1),
-            "train_batch_size (4) must be at least group_size (8)",
-        ),
+        (dict(train_batch_size=4, group_size=8, rollout_batch_size=16, gradient_accumulation_steps=1),
+         "train_batch_size (4) must be at least group_size (8)"),
     ],
 )
 def test_config_errors_name_the_key(over, message):
@@ -108,9 +104,8 @@ def test_group_advantages_zero_variance_groups_are_exactly_zero_even_with_eps_ze
     plain = group_advantages(raw, grpo_config(use_std_normalization=False))
     assert plain[4:8].tolist() == pytest.approx([-0.25, 0.75, -0.25, -0.25])
     whitened = group_advantages(raw, grpo_config(whiten_advantages=True))
-    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-6) and whitened.std().item() == pytest.approx(
-        1.0, rel=1e-3
-    )
+    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-6) and whitened.std().item() == pytest.approx(1.0,
+                                                                                                             rel=1e-3)
 
 
 def _rollout(prompt_ids, response_ids, logprobs, prompt_index=0, finish="stop"):

@@ -22,11 +22,8 @@ def _multi_turn_rollouts(tok, n=4):
     prompt = enc("Q: 12+30\nA: ")
     out = []
     for i in range(n):
-        call, obs, answer = (
-            enc(f"<calculate>12+3{i}</calculate>"),
-            enc(f"<result>4{i}</result>"),
-            enc(f"<answer>4{i}</answer>"),
-        )
+        call, obs, answer = (enc(f"<calculate>12+3{i}</calculate>"), enc(f"<result>4{i}</result>"),
+                             enc(f"<answer>4{i}</answer>"))
         ids = call + obs + answer
         mask = [True] * len(call) + [False] * len(obs) + [True] * len(answer)
         out.append(Rollout(prompt="q", response="r", prompt_ids=prompt, response_ids=ids, logprobs=[-1.0] * len(ids),
@@ -43,18 +40,10 @@ def _gradient(model, batch, cfg):
 
 @pytest.mark.parametrize(
     "loss_type,normalization,shared",
-    [
-        ("grpo_clip", "masked_mean", True),
-        ("grpo_clip", "masked_normalize", False),
-        ("grpo_clip", "token_mean", True),
-        ("grpo_clip", "masked_mean", False),
-        ("no_baseline", "masked_mean", True),
-        ("reinforce_with_baseline", "token_mean", False),
-        ("grpo_no_clip", "masked_mean", True),
-        ("gspo", "masked_mean", True),
-        ("cispo", "token_mean", True),
-        ("sapo", "masked_normalize", True),
-    ],
+    [("grpo_clip", "masked_mean", True), ("grpo_clip", "masked_normalize", False), ("grpo_clip", "token_mean", True),
+     ("grpo_clip", "masked_mean", False), ("no_baseline", "masked_mean", True),
+     ("reinforce_with_baseline", "token_mean", False), ("grpo_no_clip", "masked_mean", True),
+     ("gspo", "masked_mean", True), ("cispo", "token_mean", True), ("sapo", "masked_normalize", True)],
 )
 def test_observation_tokens_get_zero_gradient(grpo_config, tiny_model, loss_type, shared, normalization):
     model, tok = tiny_model()

@@ -51,10 +51,8 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_vary():
     # the kept groups come first and each has reward variance; filled ones have none
     assert all(per_group[g].max() > per_group[g].min() for g in range(kept))
     assert all(per_group[g].max() == per_group[g].min() for g in range(kept, 4))
-    assert (
-        s["sampling/groups_drawn"] == s["sampling/rounds"] * 4
-        and groups.samples_drawn == s["sampling/groups_drawn"] * 4
-    )
+    assert (s["sampling/groups_drawn"] == s["sampling/rounds"] * 4
+            and groups.samples_drawn == s["sampling/groups_drawn"] * 4)
     assert s["sampling/groups_dropped"] + kept + s["sampling/groups_unused"] == s["sampling/groups_drawn"]
     # each rollout points at its own group's example, in prompt-major order
     assert [r.prompt_index for r in groups.rollouts] == [g for g in range(4) for _ in range(4)]
@@ -67,9 +65,8 @@ def test_without_dynamic_sampling_one_round_is_drawn():
         groups = sample_groups(backend, scorer, ExampleSampler(len(inputs.train), 0), inputs, _cfg(),
                                SamplingParams(max_tokens=6, min_tokens=1))
     assert groups.samples_drawn == 16 and groups.stats == {}
-    assert torch.equal(
-        groups.rewards, torch.tensor([parity_reward(r.response, None)["reward"] for r in groups.rollouts])
-    )
+    assert torch.equal(groups.rewards,
+                       torch.tensor([parity_reward(r.response, None)["reward"] for r in groups.rollouts]))
 
 
 def test_overlong_shaping_penalises_only_the_last_buffer_tokens():

@@ -40,19 +40,10 @@ def _sampled_batch(model, tok, n_prompts=8, group_size=2):
 # ---------------------------------------------------------------- config
 def test_ppo_has_its_own_defaults_for_the_shared_fields():
     cfg = PPOConfig()
-    assert (cfg.rollout_batch_size, cfg.group_size, cfg.train_batch_size, cfg.gradient_accumulation_steps) == (
-        64,
-        1,
-        32,
-        1,
-    )
-    assert (cfg.kl_coef, cfg.kl_adaptive, cfg.kl_target, cfg.whiten_advantages, cfg.warmup_steps) == (
-        0.2,
-        True,
-        6.0,
-        True,
-        0,
-    )
+    assert (cfg.rollout_batch_size, cfg.group_size, cfg.train_batch_size, cfg.gradient_accumulation_steps) == (64, 1,
+                                                                                                               32, 1)
+    assert (cfg.kl_coef, cfg.kl_adaptive, cfg.kl_target, cfg.whiten_advantages, cfg.warmup_steps) == (0.2, True, 6.0,
+                                                                                                      True, 0)
     assert PPOConfig(group_size=2).group_size == 2  # a given value wins over the method default
     assert GRPOConfig().group_size == 8 and GRPOConfig().kl_coef == 0.0  # GRPO keeps CS336's
 

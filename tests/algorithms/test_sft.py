@@ -32,11 +32,8 @@ def sft_config(tmp_path):
 def test_tokenize_pairs_tokenises_prompt_and_response_separately(char_tokenizer):
     pairs = [SFTPair("Q: 1+2\nA: <think>", "3</think> <answer>3</answer>"), SFTPair("ab", "c")]
     out = tokenize_pairs(pairs, char_tokenizer)
-    assert out[1] == (
-        char_tokenizer("ab", add_special_tokens=False)["input_ids"],
-        char_tokenizer("c")["input_ids"],
-        None,
-    )
+    assert out[1] == (char_tokenizer("ab", add_special_tokens=False)["input_ids"], char_tokenizer("c")["input_ids"],
+                      None)
     prompt, response, mask = out[0]
     assert mask is None  # every response token is trained on
     assert char_tokenizer.decode(prompt) == pairs[0].prompt and char_tokenizer.decode(response) == pairs[0].response
@@ -70,11 +67,8 @@ def test_tool_demonstrations_replay_the_live_tool_and_train_only_the_models_toke
     ]
     (prompt, response, mask), = tokenize_pairs(pairs, char_tokenizer, env)
     enc = lambda text: char_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    call, observation, answer = (
-        enc("<calculate>12*3</calculate>"),
-        enc("<result>36</result>"),
-        enc("</think> <answer>36</answer>"),
-    )
+    call, observation, answer = (enc("<calculate>12*3</calculate>"), enc("<result>36</result>"),
+                                 enc("</think> <answer>36</answer>"))
     assert response == call + observation + answer  # the live tool's observation, not the one written in the demo
     assert mask == [True] * len(call) + [False] * len(observation) + [True] * len(answer)
     model, tok = tiny_model()
@@ -157,11 +151,8 @@ def test_sft_on_cs336_style_jsonl(sft_config, tmp_path):
         for i in range(20):
             f.write(
                 json.dumps(
-                    {
-                        "prompt": f"Q: {i}+1\nA: <think>",
-                        "response": f"{i}+1={i + 1}</think> <answer>{i + 1}</answer>",
-                        "ground_truth": str(i + 1),
-                    }
+                    {"prompt": f"Q: {i}+1\nA: <think>", "response": f"{i}+1={i + 1}</think> <answer>{i + 1}</answer>",
+                     "ground_truth": str(i + 1)}
                 )
                 + "\n"
             )

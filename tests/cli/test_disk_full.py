@@ -51,9 +51,8 @@ def test_torch_save_on_a_full_disk_is_one_line(monkeypatch, tmp_path, message):
 
     monkeypatch.setattr(train_commands, "_trainer", lambda command: {"sft": (SFTConfig, train)}[command])
     run_dir = tmp_path / "run"
-    out = CliRunner().invoke(
-        cli.app, ["sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--run-dir", str(run_dir)]
-    )
+    out = CliRunner().invoke(cli.app,
+                             ["sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--run-dir", str(run_dir)])
     assert out.exit_code == 2, out.output
     assert f"grpolab: error: no space left on device: {run_dir}" in out.output
     assert "Traceback" not in out.output

@@ -54,9 +54,8 @@ def test_group_normalized_rewards_rejects_ragged_groups():
 @settings(max_examples=50, deadline=None)
 @given(
     st.integers(1, 4).flatmap(
-        lambda g: st.tuples(
-            st.just(g + 1), st.lists(st.floats(-5, 5, allow_nan=False), min_size=g + 1, max_size=g + 1).map(list)
-        )
+        lambda g: st.tuples(st.just(g + 1),
+                            st.lists(st.floats(-5, 5, allow_nan=False), min_size=g + 1, max_size=g + 1).map(list))
     ),
     st.integers(1, 4),
     st.booleans(),

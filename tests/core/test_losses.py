@@ -38,9 +38,8 @@ def test_grpo_clip_loss_edges():
     assert torch.allclose(loss[1], torch.tensor([0.8, 0.9, 1.1, 1.5]), atol=1e-6)
     assert meta["clipped"].tolist() == [[False, False, False, True], [True, False, False, False]]
     # exactly at the edge nothing is "clipped" and the loss is continuous
-    at_edge, meta_e = compute_grpo_clip_loss(
-        torch.tensor([[1.0]]), torch.tensor([[math.log(1.2)]]), torch.zeros(1, 1), eps
-    )
+    at_edge, meta_e = compute_grpo_clip_loss(torch.tensor([[1.0]]), torch.tensor([[math.log(1.2)]]), torch.zeros(1, 1),
+                                             eps)
     assert at_edge.item() == pytest.approx(-1.2) and not meta_e["clipped"].any()
 
 
@@ -48,13 +47,11 @@ def test_grpo_clip_asymmetric_dapo():
     new = torch.tensor([[math.log(1.25), math.log(0.7)]])
     loss, _ = compute_grpo_clip_loss(torch.tensor([[1.0]]), new, torch.zeros(1, 2), 0.2, cliprange_high=0.28)
     assert torch.allclose(loss, -torch.tensor([[1.25, 0.7]]), atol=1e-6)
-    loss, _ = compute_grpo_clip_loss(
-        torch.tensor([[1.0]]), torch.tensor([[math.log(1.4)]]), torch.zeros(1, 1), 0.2, cliprange_high=0.28
-    )
+    loss, _ = compute_grpo_clip_loss(torch.tensor([[1.0]]), torch.tensor([[math.log(1.4)]]), torch.zeros(1, 1), 0.2,
+                                     cliprange_high=0.28)
     assert loss.item() == pytest.approx(-1.28)
-    loss, _ = compute_grpo_clip_loss(
-        torch.tensor([[-1.0]]), torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), 0.2, cliprange_low=0.1
-    )
+    loss, _ = compute_grpo_clip_loss(torch.tensor([[-1.0]]), torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), 0.2,
+                                     cliprange_low=0.1)
     assert loss.item() == pytest.approx(0.9)
 
 

@@ -119,18 +119,11 @@ def test_conversational_records_in_every_loader(tmp_path):
     assert (pairs[0].prompt, pairs[0].response) == ("p", "r")
     assert (pairs[1].prompt, pairs[1].response) == (convo, "2")
     assert pairs[2].messages == msgs and pairs[2].response is None
-    prefs = load_preferences(
-        _jsonl(
-            tmp_path / "d.jsonl",
-            [
-                {
-                    "prompt": convo,
-                    "chosen": [{"role": "assistant", "content": "2"}],
-                    "rejected": [{"role": "assistant", "content": "3"}],
-                }
-            ],
-        )
-    )
+    prefs = load_preferences(_jsonl(
+                                 tmp_path / "d.jsonl",
+                                 [{"prompt": convo, "chosen": [{"role": "assistant", "content": "2"}],
+                                   "rejected": [{"role": "assistant", "content": "3"}]}],
+                             ))
     assert (prefs[0].prompt, prefs[0].chosen, prefs[0].rejected) == (convo, "2", "3")
 
 
@@ -183,11 +176,9 @@ def test_sft_appends_eos_once(tok):
     eos = tok.eos_token_id
     (_, plain, mask), (_, ended, _) = tokenize_pairs(
         [SFTPair("q", "The answer is 2."), SFTPair("q", f"The answer is 2.{IM_E}")], tok, append_eos=True)
-    assert (
-        mask is None
-        and plain[-1] == eos
-        and plain[:-1] == tok("The answer is 2.", add_special_tokens=False)["input_ids"]
-    )
+    assert (mask is None
+            and plain[-1] == eos
+            and plain[:-1] == tok("The answer is 2.", add_special_tokens=False)["input_ids"])
     assert ended == plain  # a response that already ends with eos gets no second one
     (_, kept, _), = tokenize_pairs([SFTPair("q", "The answer is 2.")], tok, append_eos=False)
     assert eos not in kept

@@ -187,36 +187,16 @@ ARITHMETIC_PINNED = [
     ("7+2-7", "2", "7+2=9 9-7=2</think> <answer>2</answer>", True),
 ]
 COUNTDOWN_PINNED = [
-    (
-        "Use 9 9 12 to make 99",
-        {"numbers": [9, 9, 12], "target": 99},
-        "12*9=108 108-9=99</think> <answer>12*9-9-1</answer>",
-        False,
-    ),
-    (
-        "Use 17 19 10 to make 8",
-        {"numbers": [17, 19, 10], "target": 8},
-        "10+17=27 27-19=8</think> <answer>10+17-19+1</answer>",
-        False,
-    ),
-    (
-        "Use 8 6 16 to make 2",
-        {"numbers": [8, 6, 16], "target": 2},
-        "16-6=10 10-8=2</think> <answer>16-6-8-1</answer>",
-        False,
-    ),
-    (
-        "Use 5 11 20 to make 35",
-        {"numbers": [5, 11, 20], "target": 35},
-        "11*5=55 55-20=35</think> <answer>11*5-20-1</answer>",
-        False,
-    ),
-    (
-        "Use 17 1 7 to make 10",
-        {"numbers": [17, 1, 7], "target": 10},
-        "17/1=17 17-7=10</think> <answer>17/1-7</answer>",
-        True,
-    ),
+    ("Use 9 9 12 to make 99", {"numbers": [9, 9, 12], "target": 99},
+     "12*9=108 108-9=99</think> <answer>12*9-9-1</answer>", False),
+    ("Use 17 19 10 to make 8", {"numbers": [17, 19, 10], "target": 8},
+     "10+17=27 27-19=8</think> <answer>10+17-19+1</answer>", False),
+    ("Use 8 6 16 to make 2", {"numbers": [8, 6, 16], "target": 2}, "16-6=10 10-8=2</think> <answer>16-6-8-1</answer>",
+     False),
+    ("Use 5 11 20 to make 35", {"numbers": [5, 11, 20], "target": 35},
+     "11*5=55 55-20=35</think> <answer>11*5-20-1</answer>", False),
+    ("Use 17 1 7 to make 10", {"numbers": [17, 1, 7], "target": 10}, "17/1=17 17-7=10</think> <answer>17/1-7</answer>",
+     True),
 ]
 
 

@@ -65,9 +65,8 @@ def test_the_reward_runs_in_a_supervised_worker_like_any_user_reward():
     gold = example.answer["entry"]["answer"]
     with RewardScorer(rg_reward_fn, timeout_s=60) as scorer:
         assert scorer.mode == "process"
-        scores = scorer.score(
-            [f"w</think> <answer>{gold}</answer>", "w</think> <answer>x</answer>"], [example.answer] * 2
-        )
+        scores = scorer.score([f"w</think> <answer>{gold}</answer>", "w</think> <answer>x</answer>"],
+                              [example.answer] * 2)
     assert [s["reward"] for s in scores] == [1.0, 0.0] and scorer.errors == 0
 
 
@@ -81,11 +80,9 @@ def test_templates_choose_tags_or_the_whole_response():
 def test_unknown_dataset_and_option_are_one_line_errors_naming_what_exists():
     with pytest.raises(ValueError) as unknown:
         get_task("rg:no_such_generator")
-    assert (
-        "\n" not in str(unknown.value)
-        and "basic_arithmetic" in str(unknown.value)
-        and "gsm_symbolic" in str(unknown.value)
-    )
+    assert ("\n" not in str(unknown.value)
+            and "basic_arithmetic" in str(unknown.value)
+            and "gsm_symbolic" in str(unknown.value))
     with pytest.raises(ValueError) as option:
         get_task("rg:basic_arithmetic", no_such_field=1)
     assert "\n" not in str(option.value) and "min_digits" in str(option.value)

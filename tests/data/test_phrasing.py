@@ -20,12 +20,8 @@ def test_words_match_compact(split, options):
     for c, w in zip(compact, words, strict=True):
         assert w.question == in_words(c.question)
         assert w.meta["compact_question"] == c.question
-        assert (w.answer, w.solution, w.meta["source"], w.meta["split"]) == (
-            c.answer,
-            c.solution,
-            c.meta["source"],
-            split,
-        )
+        assert (w.answer, w.solution, w.meta["source"], w.meta["split"]) == (c.answer, c.solution, c.meta["source"],
+                                                                             split)
         assert split_of(c.question) == split
     assert words[0].question.startswith("What is ") and words[0].question.endswith("?")
 

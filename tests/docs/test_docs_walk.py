@@ -47,15 +47,10 @@ RESUME_SMALL = ["--n-grpo-steps", "3", "--eval-examples", "4"]  # one step past 
 EVAL_SMALL = ["--n", "10"]
 
 # Commands run, by the start of their argv (first match wins, after NOT_RUN): the small-step overrides.
-RUN = [
-    ((".venv/bin/grpolab", "sft"), SFT_SMALL),
-    ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
-    ((".venv/bin/grpolab", "grpo"), GRPO_SMALL),
-    ((".venv/bin/grpolab", "eval"), EVAL_SMALL),
-    ((".venv/bin/grpolab", "view"), []),
-    ((".venv/bin/grpolab", "config"), []),
-    (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL),
-]
+RUN = [((".venv/bin/grpolab", "sft"), SFT_SMALL), ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
+       ((".venv/bin/grpolab", "grpo"), GRPO_SMALL), ((".venv/bin/grpolab", "eval"), EVAL_SMALL),
+       ((".venv/bin/grpolab", "view"), []), ((".venv/bin/grpolab", "config"), []),
+       (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL)]
 # Commands not run here, by the start of their argv (a last word ending in / or = is a prefix of
 # the word): the reason.
 REAL_MODEL = ("the real model (SmolLM2-135M-Instruct, `make real-model`): minutes of CPU even shortened; "

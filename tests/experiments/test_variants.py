@@ -61,9 +61,8 @@ def test_report_aggregates_the_seeds(tmp_path):
     assert report["baseline"] == "dr_grpo"
     d = [
         a - b
-        for a, b in zip(
-            [r["accuracy"] for r in report["runs"]["dapo"]], [r["accuracy"] for r in report["runs"]["dr_grpo"]]
-        )
+        for a, b in zip([r["accuracy"] for r in report["runs"]["dapo"]],
+                        [r["accuracy"] for r in report["runs"]["dr_grpo"]])
     ]
     assert report["variants"]["dapo"]["vs_baseline"]["per_seed"] == pytest.approx(d)
     gain = report["variants"]["dapo"]["gain_over_warm_start"]["per_seed"]

@@ -49,9 +49,8 @@ def gradient(model, cfg, rows_out, adv, old, kl_coef: float) -> dict[str, torch.
         p.grad = None
     rows = list(range(len(rows_out)))
     contributes = batch.response_mask.any(1) & ((adv != 0) | (kl_coef > 0))
-    accumulate_policy_gradient(
-        model, batch, rows, cfg, contributes, kl_coef, "cpu", lambda: torch.autocast("cpu", enabled=False)
-    )
+    accumulate_policy_gradient(model, batch, rows, cfg, contributes, kl_coef, "cpu",
+                               lambda: torch.autocast("cpu", enabled=False))
     distributed.sync_gradients()
     grads = {}
     for name, p in model.named_parameters():
@@ -90,14 +89,8 @@ def main() -> None:
             ratio = float(sum((got[k] * ref[k]).sum() for k in ref) / sum((ref[k] * ref[k]).sum() for k in ref))
             if dist.is_main:
                 print(
-                    json.dumps(
-                        {
-                            "case": f"{strategy}/{norm}/{loss}/kl={kl}",
-                            "max_abs_diff": diff,
-                            "scale": scale,
-                            "ratio": ratio,
-                        }
-                    ),
+                    json.dumps({"case": f"{strategy}/{norm}/{loss}/kl={kl}", "max_abs_diff": diff, "scale": scale,
+                                "ratio": ratio}),
                     flush=True,
                 )
     distributed._CURRENT = dist

@@ -15,35 +15,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-RUN = [
-    "-m",
-    "grpolab",
-    "grpo",
-    "--config",
-    "configs/grpo_tiny.yaml",
-    "--n-grpo-steps",
-    "3",
-    "--rollout-batch-size",
-    "8",
-    "--group-size",
-    "4",
-    "--train-batch-size",
-    "8",
-    "--gradient-accumulation-steps",
-    "2",
-    "--sampling-max-tokens",
-    "10",
-    "--eval-examples",
-    "4",
-    "--eval-every",
-    "0",
-    "--show-progress",
-    "false",
-    "--task-train-size",
-    "40",
-    "--log-generations-samples",
-    "0",
-]
+RUN = ["-m", "grpolab", "grpo", "--config", "configs/grpo_tiny.yaml", "--n-grpo-steps", "3", "--rollout-batch-size",
+       "8", "--group-size", "4", "--train-batch-size", "8", "--gradient-accumulation-steps", "2",
+       "--sampling-max-tokens", "10", "--eval-examples", "4", "--eval-every", "0", "--show-progress", "false",
+       "--task-train-size", "40", "--log-generations-samples", "0"]
 
 
 def _port() -> int:

@@ -570,17 +570,9 @@ def test_logits_fp32_in_a_bf16_grpo_run_shrinks_the_sampler_trainer_gap(grpo_con
     from grpolab.training.metric_logging import read_metrics
 
     def mismatch(**kw):
-        cfg = grpo_config(
-            n_grpo_steps=2,
-            dtype="bfloat16",
-            train_batch_size=8,
-            gradient_accumulation_steps=2,
-            eval_examples=1,
-            log_generations_samples=0,
-            reward="tests.helpers.reward_fixtures:length_parity",
-            run_dir=str(tmp_path / str(kw)),
-            **kw,
-        )
+        cfg = grpo_config(n_grpo_steps=2, dtype="bfloat16", train_batch_size=8, gradient_accumulation_steps=2,
+                          eval_examples=1, log_generations_samples=0,
+                          reward="tests.helpers.reward_fixtures:length_parity", run_dir=str(tmp_path / str(kw)), **kw)
         steps = [r for r in read_metrics(train_grpo(cfg).metrics_path) if "health/logprob_mismatch" in r]
         assert len(steps) == 2 and all(r["health/logprob_mismatch_tokens"] > 0 for r in steps)
         return sum(r["health/logprob_mismatch"] for r in steps) / len(steps)

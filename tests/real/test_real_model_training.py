@@ -9,18 +9,10 @@ import sys
 import pytest
 import torch
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name one primary color.",
-    "How many days are in a week?",
-    "Which animal says moo?",
-    "What is the largest planet in the solar system?",
-    "Name a fruit that is yellow.",
-    "What is the capital of Japan?",
-    "What is 2 + 2?",
-    "Answer in one word: what is the color of grass?",
-    "What is the capital of Germany?",
-]
+QUESTIONS = ["What is the capital of France?", "Name one primary color.", "How many days are in a week?",
+             "Which animal says moo?", "What is the largest planet in the solar system?",
+             "Name a fruit that is yellow.", "What is the capital of Japan?", "What is 2 + 2?",
+             "Answer in one word: what is the color of grass?", "What is the capital of Germany?"]
 
 
 def _grpolab(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -88,27 +80,11 @@ def test_sft_on_pairs_without_eos_teaches_the_model_to_stop(smollm2_dir, tmp_pat
 def test_grpo_on_the_real_model_sampler_and_trainer_agree_on_every_step(smollm2_dir, tmp_path):
     from grpolab.algorithms.grpo import GRPOConfig, train_grpo
 
-    cfg = GRPOConfig(
-        model=str(smollm2_dir),
-        task="arithmetic",
-        task_options={"num_ops": 1},
-        task_train_size=40,
-        run_dir=str(tmp_path / "g"),
-        n_grpo_steps=3,
-        rollout_batch_size=8,
-        group_size=4,
-        train_batch_size=4,
-        gradient_accumulation_steps=2,
-        epochs_per_rollout_batch=1,
-        learning_rate=1e-5,
-        warmup_steps=0,
-        sampling_max_tokens=24,
-        sampling_min_tokens=1,
-        eval_examples=4,
-        show_progress=False,
-        device="cpu",
-        log_generations_samples=2,
-    )
+    cfg = GRPOConfig(model=str(smollm2_dir), task="arithmetic", task_options={"num_ops": 1}, task_train_size=40,
+                     run_dir=str(tmp_path / "g"), n_grpo_steps=3, rollout_batch_size=8, group_size=4,
+                     train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=1, learning_rate=1e-5,
+                     warmup_steps=0, sampling_max_tokens=24, sampling_min_tokens=1, eval_examples=4,
+                     show_progress=False, device="cpu", log_generations_samples=2)
     train_grpo(cfg)
     records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "health/logprob_mismatch_tokens" in r]

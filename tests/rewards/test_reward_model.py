@@ -54,9 +54,8 @@ def test_the_value_head_keeps_the_backbone_and_reads_the_last_real_token(tiny_mo
     model.config.pad_token_id = tok.pad_token_id
     with torch.no_grad():
         alone = model(**tok(["Q: 1+1=2"], return_tensors="pt")).logits[0, 0]
-        padded = model(**tok(["Q: 1+1=2", "a much longer text than that"], return_tensors="pt", padding=True)).logits[
-            0, 0
-        ]
+        padded = model(**tok(["Q: 1+1=2", "a much longer text than that"], return_tensors="pt", padding=True)).logits[0,
+                                                                                                                      0]
     assert torch.allclose(alone, padded, atol=1e-5)  # padding never changes a score
 
 

@@ -142,15 +142,8 @@ def test_arithmetic_and_countdown_verifiers():
     assert countdown_reward_fn(r1("13"), {"numbers": [13], "target": 13})["reward"] == 1.0
     assert countdown_reward_fn(r1("(3+5)/2"), {"numbers": [3, 5, 2], "target": 4})["reward"] == 1.0
     assert countdown_reward_fn(r1("3/2*2"), {"numbers": [3, 2, 2], "target": 3})["reward"] == 1.0  # exact fractions
-    for hostile in (
-        "__import__('os').system('true')",
-        "9**9**9",
-        "3//2",
-        "-3+16",
-        "open('x')",
-        "1" * 500,
-        "2*" * 150 + "2",
-    ):
+    for hostile in ("__import__('os').system('true')", "9**9**9", "3//2", "-3+16", "open('x')", "1" * 500,
+                    "2*" * 150 + "2"):
         assert countdown_reward_fn(r1(hostile), gt)["reward"] == 0.0
     assert evaluate_equation("(1+2)*3") is not None and evaluate_equation("x+1") is None
 

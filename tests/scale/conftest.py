@@ -36,7 +36,5 @@ def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainers")
     done = torchrun(["tests/scale/trainers_under_torchrun.py", str(out), "--gradients", *runs], timeout=900)
     rows = json_rows(done.stdout)
-    return {
-        "gradients": [r for r in rows if "case" in r],
-        "runs": {r["run"]: Path(r["run_dir"]) for r in rows if "run" in r},
-    }
+    return {"gradients": [r for r in rows if "case" in r],
+            "runs": {r["run"]: Path(r["run_dir"]) for r in rows if "run" in r}}

@@ -22,14 +22,9 @@ HOG = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\
 
 def _train(run_dir) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "grpolab", "grpo", *RUN, "--run-dir", str(run_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-    )
+    done = subprocess.run([sys.executable, "-m", "grpolab", "grpo", *RUN, "--run-dir", str(run_dir)], env=env,
+                          capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(str(run_dir / "final" / "model.safetensors"))
 

@@ -85,11 +85,9 @@ def test_plan_within_25_percent_of_measured_peak(name, lora, more, medium_model,
                            parse_overrides(bench.overrides(args, strategy, lora, extra, tmp_path / "plan")))
     plan = estimate(cfg, Hardware("cpu", ranks, 64 * GiB))
     estimated = plan.peak / MiB
-    line = (
-        f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more else ''}: estimated {estimated:.0f} MB, "
-        f"measured {measured:.0f} MB per rank "
-        f"(peak RSS {result['peak_rss_mb']} - idle {idle_mb:.0f}); phases "
-        + ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.phases.items())
-    )
+    line = (f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more else ''}: estimated {estimated:.0f} MB, "
+            f"measured {measured:.0f} MB per rank "
+            f"(peak RSS {result['peak_rss_mb']} - idle {idle_mb:.0f}); phases "
+            + ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.phases.items()))
     print(line)
     assert abs(estimated - measured) <= TOLERANCE * measured, line

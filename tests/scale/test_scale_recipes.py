@@ -52,18 +52,8 @@ def test_recipe_fits_its_hardware_by_grpolab_plan(name):
     assert plan.fits, (name, plan.total / GiB)
     assert plan.max_micro_batch and min(plan.max_micro_batch.values()) >= plan.micro_batch_rows  # room to spare
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpolab",
-            "plan",
-            "--config",
-            f"configs/scale/{name}",
-            "--gpus",
-            str(gpus),
-            "--gpu-memory",
-            str(memory),
-        ],
+        [sys.executable, "-m", "grpolab", "plan", "--config", f"configs/scale/{name}", "--gpus", str(gpus),
+         "--gpu-memory", str(memory)],
         cwd=ROOT,
         env=_env(),
         capture_output=True,

@@ -85,9 +85,8 @@ def test_two_rank_runs_end_where_one_process_ends(trainer_runs, trainer, tmp_pat
     for strategy in STRATEGIES:
         if strategy == "deepspeed" and f"{trainer}/deepspeed" not in trainer_runs["runs"]:
             continue  # deepspeed not installed: said by the gradient test's skip
-        assert_equal_runs(
-            check_final(trainer_runs["runs"][f"{trainer}/{strategy}"], trainer), one, f"{trainer}/{strategy}"
-        )
+        assert_equal_runs(check_final(trainer_runs["runs"][f"{trainer}/{strategy}"], trainer), one,
+                          f"{trainer}/{strategy}")
 
 
 def test_expert_iteration_runs_agree_across_strategies(trainer_runs):
@@ -110,26 +109,9 @@ def test_two_nodes_end_with_the_weights_of_one_node(trainer_runs, tmp_path):
     out = tmp_path / "two_nodes"
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "grpolab-two-nodes",
-                "tests/scale/trainers_under_torchrun.py",
-                str(out),
-                "grpo/fsdp2",
-            ],
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+             "grpolab-two-nodes", "tests/scale/trainers_under_torchrun.py", str(out), "grpo/fsdp2"],
             cwd=ROOT,
             env=_env(),
             stdout=subprocess.PIPE,

@@ -20,42 +20,16 @@ SMALL = dict(model="embedded:tiny", task="arithmetic", task_train_size=40, devic
 SAMPLED = dict(sampling_max_tokens=8, sampling_min_tokens=1, eval_examples=4, log_generations_samples=0)
 # two optimizer steps of 8 rows in 2 micro-batches: each rank gets 4 rows, 2 per micro-batch
 SETTINGS = {
-    "sft": dict(
-        SMALL,
-        **SAMPLED,
-        n_sft_steps=2,
-        train_batch_size=8,
-        gradient_accumulation_steps=2,
-        warmup_steps=0,
-        checkpoint_every=2,
-    ),
-    "dpo": dict(
-        SMALL, n_dpo_steps=2, train_batch_size=8, gradient_accumulation_steps=2, eval_pairs=4, checkpoint_every=2
-    ),
+    "sft": dict(SMALL, **SAMPLED, n_sft_steps=2, train_batch_size=8, gradient_accumulation_steps=2, warmup_steps=0,
+                checkpoint_every=2),
+    "dpo": dict(SMALL, n_dpo_steps=2, train_batch_size=8, gradient_accumulation_steps=2, eval_pairs=4,
+                checkpoint_every=2),
     # the reward accepts about half the samples of the untrained model, so each step has responses to imitate
-    "ei": dict(
-        SMALL,
-        **SAMPLED,
-        n_ei_steps=2,
-        ei_batch_size=8,
-        group_size=2,
-        train_batch_size=8,
-        gradient_accumulation_steps=2,
-        reward="tests.helpers.reward_fixtures:length_parity",
-        checkpoint_every=2,
-    ),
-    "grpo": dict(
-        SMALL,
-        **SAMPLED,
-        n_grpo_steps=2,
-        rollout_batch_size=8,
-        group_size=4,
-        train_batch_size=8,
-        gradient_accumulation_steps=2,
-        eval_every=0,
-        reward="tests.helpers.reward_fixtures:length_parity",
-        checkpoint_every=2,
-    ),
+    "ei": dict(SMALL, **SAMPLED, n_ei_steps=2, ei_batch_size=8, group_size=2, train_batch_size=8,
+               gradient_accumulation_steps=2, reward="tests.helpers.reward_fixtures:length_parity", checkpoint_every=2),
+    "grpo": dict(SMALL, **SAMPLED, n_grpo_steps=2, rollout_batch_size=8, group_size=4, train_batch_size=8,
+                 gradient_accumulation_steps=2, eval_every=0, reward="tests.helpers.reward_fixtures:length_parity",
+                 checkpoint_every=2),
 }
 PLACEMENT = ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
 RUNS = [f"{t}/{s}" for t in ("sft", "dpo", "ei") for s in STRATEGIES]

@@ -189,9 +189,8 @@ def test_a_deepspeed_checkpoint_missing_a_rank_is_moved_aside(tmp_path, as_strat
         for kind in ("model", "optim"):
             if n == 2 and kind == "optim":
                 continue
-            torch.save(
-                {"x": torch.ones(1)}, step / "deepspeed" / "state" / f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt"
-            )
+            torch.save({"x": torch.ones(1)},
+                       step / "deepspeed" / "state" / f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt")
     found = CheckpointManager(root).latest_loadable()
     assert found is not None and found[0].name == "step_1"
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in capsys.readouterr().err
@@ -205,30 +204,9 @@ def _env(**extra) -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
-SFT = [
-    sys.executable,
-    "-m",
-    "grpolab",
-    "sft",
-    "--config",
-    str(ROOT / "configs" / "sft_tiny.yaml"),
-    "--model",
-    "embedded:tiny",
-    "--train-batch-size",
-    "2",
-    "--eval-examples",
-    "2",
-    "--eval-every",
-    "0",
-    "--task-train-size",
-    "16",
-    "--show-progress",
-    "false",
-    "--log-generations-samples",
-    "0",
-    "--warmup-steps",
-    "0",
-]
+SFT = [sys.executable, "-m", "grpolab", "sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--model",
+       "embedded:tiny", "--train-batch-size", "2", "--eval-examples", "2", "--eval-every", "0", "--task-train-size",
+       "16", "--show-progress", "false", "--log-generations-samples", "0", "--warmup-steps", "0"]
 
 
 def _grpolab(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -74,9 +74,8 @@ def test_data_source_and_accumulation_rules():
         RunConfig.build(None, {"train_data": "x.jsonl", "task": "arithmetic"})
     with pytest.raises(ConfigError, match="exactly one of task"):
         RunConfig.build(None, {"task": None})
-    with pytest.raises(
-        ConfigError, match=r"train_batch_size \(10\) must be divisible by gradient_accumulation_steps \(4\)"
-    ):
+    with pytest.raises(ConfigError,
+                       match=r"train_batch_size \(10\) must be divisible by gradient_accumulation_steps \(4\)"):
         PolicyUpdateConfig.build(None, {**BATCHES, "train_batch_size": 10, "gradient_accumulation_steps": 4,
                                         "rollout_batch_size": 20, "group_size": 2})
 
@@ -133,14 +132,8 @@ def test_sampling_params_follow_the_config():
     cfg = SampledRunConfig(sampling_temperature=0.7, sampling_top_p=0.9, sampling_max_tokens=20, sampling_min_tokens=2,
                            stop=["</answer>", "\n\n"], eval_temperature=0.0, seed=4)
     s = cfg.sampling_params()
-    assert (s.temperature, s.top_p, s.max_tokens, s.min_tokens, s.stop, s.seed) == (
-        0.7,
-        0.9,
-        20,
-        2,
-        ["</answer>", "\n\n"],
-        None,
-    )
+    assert (s.temperature, s.top_p, s.max_tokens, s.min_tokens, s.stop, s.seed) == (0.7, 0.9, 20, 2,
+                                                                                    ["</answer>", "\n\n"], None)
     e = cfg.eval_sampling_params()
     assert (e.temperature, e.max_tokens, e.min_tokens, e.stop, e.seed) == (0.0, 20, 2, ["</answer>", "\n\n"], 5)
 
@@ -219,9 +212,8 @@ def test_only_length_and_watching_fields_may_change_on_resume():
         assert key in RESUME_MAY_CHANGE
     for method in METHODS.values():  # each run's own length, and no other method's
         config = method.load()[0]
-        changes = resume_changes(
-            config().to_dict(), {**config().to_dict(), config.steps_field: 10**6}, config.steps_field
-        )
+        changes = resume_changes(config().to_dict(), {**config().to_dict(), config.steps_field: 10**6},
+                                 config.steps_field)
         assert set(changes.allowed) == {config.steps_field} and not changes.refused_fields
         assert not any(key.startswith("n_") and key.endswith("_steps") for key in RESUME_MAY_CHANGE)
 
@@ -243,9 +235,8 @@ def test_rollout_backend_vllm_is_grpo_only_and_turns_the_is_correction_on():
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-@pytest.mark.parametrize(
-    "path", sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("real/*.yaml")), ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("real/*.yaml")),
+                         ids=lambda p: p.name)
 def test_every_shipped_config_file_is_valid(path):
     from grpolab.algorithms import METHODS
 

@@ -16,11 +16,8 @@ from grpolab.training.resources import check_prompt_lengths, check_rollout_memor
 @pytest.fixture
 def long_file(tmp_path):
     path = tmp_path / "train.jsonl"
-    rows = [
-        {"question": "1+1", "answer": "2"},
-        {"question": "9" * 600, "answer": "9"},
-        {"question": "2+2", "answer": "4"},
-    ]
+    rows = [{"question": "1+1", "answer": "2"}, {"question": "9" * 600, "answer": "9"},
+            {"question": "2+2", "answer": "4"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

@@ -146,11 +146,8 @@ def test_first_stop_min_tokens_and_end_ids_as_in_the_hf_backend(stops_tokenizer,
         (chars, None, dict(max_tokens=20, stop=["</answer>", "ns"])),
         (chars, None, dict(max_tokens=12, min_tokens=5, stop=["/a"])),  # ends at the 5th token: ignored
         (chars, None, dict(max_tokens=12, min_tokens=4, stop=["/a"])),
-        (
-            ["Q", "a", "<|end|>", "b", "c"],
-            [stops_tokenizer.eos_token_id, stops_tokenizer.convert_tokens_to_ids("<|end|>")],
-            dict(max_tokens=10),
-        ),
+        (["Q", "a", "<|end|>", "b", "c"],
+         [stops_tokenizer.eos_token_id, stops_tokenizer.convert_tokens_to_ids("<|end|>")], dict(max_tokens=10)),
     ]
     for chain, end_ids, sampling in cases:
         ours, ref = both(stops_tokenizer, stops_engine, chain, end_ids, **sampling)
@@ -164,9 +161,8 @@ def test_first_stop_min_tokens_and_end_ids_as_in_the_hf_backend(stops_tokenizer,
         assert r.response_ids[0] == ids_of(stops_tokenizer, ["a"])[0]
         assert not {end, stops_tokenizer.eos_token_id} & set(r.response_ids[:3])
     # ... and a single-token stop string, as the HF backend does ("4=" then anything but "</answer>")
-    ours, _ = both(
-        stops_tokenizer, stops_engine, SPELLINGS["one token"], max_tokens=10, min_tokens=3, stop=["</answer>"]
-    )
+    ours, _ = both(stops_tokenizer, stops_engine, SPELLINGS["one token"], max_tokens=10, min_tokens=3,
+                   stop=["</answer>"])
     for r in ours:
         assert r.response_ids[:2] == ids_of(stops_tokenizer, ["4", "="])
         assert r.response_ids[2] != ids_of(stops_tokenizer, ["</answer>"])[0]

@@ -27,18 +27,8 @@ LOGPROB_TOL = 1e-5  # fp32 sampler and trainer
 LORA_TOL = 5e-5  # the merged weights' own fp32 rounding (see the LoRA test)
 # sampling_min_tokens 0: vLLM reports the first min_tokens log-probs in the distribution renormalised
 # without the end ids (documented in rollout.vllm); a varying reward, so every step trains and syncs
-VLLM = [
-    "--rollout-backend",
-    "vllm",
-    "--sampling-min-tokens",
-    "0",
-    "--reward",
-    "tests.helpers.reward_fixtures:length_parity",
-    "--learning-rate",
-    "0.003",
-    "--vllm-cpu-kvcache-space-gib",
-    "1",
-]
+VLLM = ["--rollout-backend", "vllm", "--sampling-min-tokens", "0", "--reward",
+        "tests.helpers.reward_fixtures:length_parity", "--learning-rate", "0.003", "--vllm-cpu-kvcache-space-gib", "1"]
 # the sharded strategies here; DDP (whole weights on every rank, streamed as they are) is the tool
 # test's: 2 DDP ranks with an engine each
 STRATEGY = {"fsdp2": [], "deepspeed": ["--deepspeed-config", "configs/deepspeed_zero3.json"]}
@@ -111,10 +101,8 @@ def test_sigkill_and_resume_with_an_engine_per_rank_ends_bit_identical(fsdp2_run
     resumed = re.findall(r"grpolab: resuming from .*step_(\d+)", out.stderr)
     assert len(resumed) == 1 and int(resumed[0]) < 3, out.stderr[-2000:]  # from a checkpoint of the killed run
     assert_exact_sampler(step_records(killed), 3)
-    a, b = (
-        load_file(str(fsdp2_run / "final" / "model.safetensors")),
-        load_file(str(killed / "final" / "model.safetensors")),
-    )
+    a, b = (load_file(str(fsdp2_run / "final" / "model.safetensors")),
+            load_file(str(killed / "final" / "model.safetensors")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
