@@ -50,13 +50,13 @@ def config_cmd(
 ) -> None:
     """Print every field of a training command's config as commented YAML (the --config file and any
     --field value applied); it loads back unchanged."""
-    from ..training.config import parse_overrides
+    from .train import _build, _trainer
 
     _quiet_hf()
     if command not in METHODS:
         _fail(f"unknown command {command!r}; expected one of {', '.join(METHODS)}")
     try:
-        cfg = METHODS[command].load()[0].build(config, parse_overrides(list(ctx.args)))
+        cfg = _build(_trainer(command)[0], config, list(ctx.args), resume=None)
     except _user_errors() as exc:
         _fail(str(exc))
     typer.echo(render_yaml(cfg, command))

@@ -101,18 +101,9 @@ def config_classes(config_cls: type) -> list[type]:
             if any(n in getattr(c, "model_fields", {}) for n in c.__dict__.get("__annotations__", {}))]
 
 
-def class_source(path: Path, name: str) -> str | None:
-    """The source text of class ``name`` in the file ``path`` (None: no such file or class)."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return _class_sources(path, stat.st_mtime_ns, stat.st_size).get(name)
-
-
-@functools.lru_cache(maxsize=64)
-def _class_sources(path: Path, mtime_ns: int, size: int) -> dict[str, str]:
-    """The source text of each top-level class of ``path`` (one parse per version of the file)."""
+@functools.lru_cache(maxsize=16)
+def _class_sources(path: Path) -> dict[str, str]:
+    """The source text of each top-level class of ``path`` (one parse per file and process)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
@@ -120,8 +111,16 @@ def _class_sources(path: Path, mtime_ns: int, size: int) -> dict[str, str]:
     return {n.name: ast.get_source_segment(text, n) for n in ast.parse(text).body if isinstance(n, ast.ClassDef)}
 
 
-def _digest(source: str | None) -> str | None:
-    return None if source is None else hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+def source_hash(path: Path, classes: list[str]) -> str | None:
+    """A hash of the source of ``classes`` in ``path`` (None: a class or the file is missing): what a
+    snapshot entry was made from, so an entry whose classes were edited since is not used."""
+    sources = [_class_sources(path).get(name) for name in classes]
+    return None if None in sources else hashlib.sha256("\n".join(sources).encode("utf-8")).hexdigest()[:16]
+
+
+def _current(entry: dict) -> bool:
+    """Whether a snapshot entry's classes are unchanged since it was written."""
+    return entry.get("hash") is not None and source_hash(PACKAGE / entry["source"], entry["classes"]) == entry["hash"]
 
 
 def class_entry(cls: type) -> dict:
@@ -139,8 +138,8 @@ def class_entry(cls: type) -> dict:
                                         default_text(field.get_default(call_default_factory=True)),
                                         " ".join((field.description or "").split()), section)))
     path = Path(inspect.getsourcefile(cls)).resolve()
-    return {"source": path.relative_to(PACKAGE).as_posix(), "class": cls.__name__,
-            "hash": _digest(class_source(path, cls.__name__)), "fields": rows,
+    return {"source": path.relative_to(PACKAGE).as_posix(), "classes": [cls.__name__],
+            "hash": source_hash(path, [cls.__name__]), "fields": rows,
             "defaults": {k: default_text(v) for k, v in vars(cls).get("method_defaults", {}).items()}}
 
 
@@ -184,7 +183,7 @@ def snapshot(methods: dict[str, type], options: dict[str, type]) -> dict:
         keys = []
         for cls in config_classes(config_cls):
             entry = class_entry(cls)
-            key = f"{entry['source']}:{entry['class']}"
+            key = f"{entry['source']}:{cls.__name__}"
             classes[key] = entry
             keys.append(key)
         commands[command] = keys
@@ -211,19 +210,13 @@ def snapshot_text(methods: dict[str, type], options: dict[str, type]) -> str:
 
 
 def _snapshot() -> dict:
-    stat = SNAPSHOT.stat()
-    return _read_snapshot(SNAPSHOT, stat.st_mtime_ns, stat.st_size)
+    return _read_snapshot(SNAPSHOT)
 
 
 @functools.lru_cache(maxsize=4)
-def _read_snapshot(path: Path, mtime_ns: int, size: int) -> dict:
-    """The snapshot's data (read once per version of the file: the three option commands read it at start-up)."""
+def _read_snapshot(path: Path) -> dict:
+    """The snapshot's data (read once per process: the three option commands read it at start-up)."""
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _current(entry: dict) -> bool:
-    return entry.get("hash") is not None and _digest(class_source(PACKAGE / entry["source"], entry["class"])) \
-        == entry["hash"]
 
 
 def command_fields(command: str) -> list[FieldDoc]:
@@ -262,11 +255,6 @@ def _json_default(field) -> Any:
     return value.as_posix() if isinstance(value, Path) else value
 
 
-def _options_hash(path: Path, classes: list[str]) -> str | None:
-    sources = [class_source(path, name) for name in classes]
-    return None if None in sources else _digest("\n".join(sources))
-
-
 def options_entry(cls: type) -> dict:
     """An options class's options (flag, default, description) with the path and hash of the source
     of the classes of its module that make it (``CommandOptions`` and its own)."""
@@ -276,22 +264,7 @@ def options_entry(cls: type) -> dict:
                              " ".join((field.description or "").split())))
             for name, field in cls.model_fields.items()]
     return {"source": path.relative_to(PACKAGE).as_posix(), "classes": classes,
-            "hash": _options_hash(path, classes), "file_hash": _file_hash(path), "options": rows}
-
-
-def _file_hash(path: Path) -> str | None:
-    """The hash of a whole file: unchanged, every class of it is (no parse at start-up)."""
-    try:
-        return _digest(path.read_text(encoding="utf-8"))
-    except OSError:
-        return None
-
-
-def _options_current(entry: dict) -> bool:
-    path = PACKAGE / entry["source"]
-    if entry["file_hash"] is not None and _file_hash(path) == entry["file_hash"]:
-        return True
-    return entry["hash"] is not None and _options_hash(path, entry["classes"]) == entry["hash"]
+            "hash": source_hash(path, classes), "options": rows}
 
 
 def command_options(command: str) -> dict[str, OptionDoc]:
@@ -299,7 +272,7 @@ def command_options(command: str) -> dict[str, OptionDoc]:
     their classes are unchanged since it was written, else from the classes (importing ``options.py``)."""
     try:
         entry = _snapshot()["options"][command]
-        if _options_current(entry):
+        if _current(entry):
             return {row["name"]: OptionDoc(**row) for row in entry["options"]}
     except (OSError, ValueError, KeyError, TypeError):
         pass

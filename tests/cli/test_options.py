@@ -7,8 +7,6 @@ naming the flag."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import typer
 from grpolab.cli import app
 from grpolab.cli.options import CompareOptions, DemoOptions, EvalOptions
 from grpolab.training.config import ConfigError
-from grpolab.training.sampled_run_config import SampledRunConfig
+from tests.helpers.cli_help import help_and_imports
 
 COMMANDS = {"eval": EvalOptions, "compare": CompareOptions, "demo": DemoOptions}
 REQUIRED = {"model": "embedded:tiny", "data": "task:arithmetic"}
@@ -64,13 +62,8 @@ def test_a_commands_flags_defaults_and_help_are_its_fields_own(command):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_of_an_options_command_imports_neither_the_options_module_nor_torch(command):
-    code = ("import sys\nfrom grpolab.cli import app\n"
-            f"try:\n    app(args=[{command!r}, '--help'], prog_name='grpolab')\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m == 'grpolab.cli.options'))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "--seed" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    text, imported = help_and_imports(command, "grpolab.cli.options")
+    assert "--seed" in text and imported == []
 
 
 def test_an_edited_options_class_is_read_from_its_source_not_from_a_stale_snapshot(tmp_path, monkeypatch):
@@ -78,7 +71,7 @@ def test_an_edited_options_class_is_read_from_its_source_not_from_a_stale_snapsh
 
     data = json.loads(fields.SNAPSHOT.read_text(encoding="utf-8"))
     entry = data["options"]["eval"]
-    entry["hash"] = entry["file_hash"] = "0" * 16  # as if EvalOptions were edited since the snapshot
+    entry["hash"] = "0" * 16  # as if EvalOptions were edited since the snapshot
     entry["options"][0]["description"] = "stale"
     stale = tmp_path / "fields.json"
     stale.write_text(json.dumps(data), encoding="utf-8")
@@ -100,11 +93,34 @@ def test_every_option_is_described(options):
     assert not [name for name, field in options.model_fields.items() if not field.description]
 
 
-def test_an_option_that_is_a_config_field_has_that_fields_type_and_rules():
-    for option, field in (("dtype", "dtype"), ("backend", "rollout_backend"), ("max_tokens", "sampling_max_tokens"),
-                          ("min_tokens", "sampling_min_tokens"), ("n", "eval_examples")):
-        ours, theirs = EvalOptions.model_fields[option], SampledRunConfig.model_fields[field]
-        assert ours.annotation == theirs.annotation and ours.metadata == theirs.metadata, option
+@pytest.mark.parametrize("option,field,values", [
+    ("dtype", "dtype", ["float32", "bfloat16", "float16", "fp32"]),
+    ("backend", "rollout_backend", ["hf", "vllm", "trl"]),
+    ("max_tokens", "sampling_max_tokens", [1, 0, -5]),
+    ("min_tokens", "sampling_min_tokens", [0, 3, -1]),
+    ("n", "eval_examples", [1, 0]),
+    ("temperature", "eval_temperature", [0.0, 0.7, -0.1]),
+    ("reward_timeout_s", "reward_timeout_s", [0.0, 2.5, -1.0]),
+])
+def test_an_option_that_is_a_config_field_takes_and_refuses_what_that_field_does(option, field, values):
+    """The property, not the annotation: for each value, the option accepts it exactly when the
+    training config's field does (GRPO's config: it samples with vLLM too; a minimum of 0 new tokens
+    beside the maximum, on both sides, so that only the field's own rule decides)."""
+    from grpolab.algorithms.grpo import GRPOConfig
+
+    beside = ({"sampling_min_tokens": 0}, {"min_tokens": 0}) if option == "max_tokens" else ({}, {})
+    for value in values:
+        try:
+            GRPOConfig.build(None, {field: value, **beside[0]})
+            config_takes = True
+        except ConfigError:
+            config_takes = False
+        try:
+            EvalOptions.from_cli({**REQUIRED, option: value, **beside[1]})
+            option_takes = True
+        except ConfigError:
+            option_takes = False
+        assert option_takes == config_takes, (option, value, option_takes)
     assert typing.get_args(DemoOptions.model_fields["dtype"].annotation) == ("float32", "bfloat16")
 
 
