@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from grpolab.algorithms import METHODS
+from tests.helpers.cli_help import help_and_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 REGENERATE = "python -m grpolab.cli.reference"
@@ -73,13 +74,8 @@ def test_help_shows_the_type_default_and_description_of_a_field():
 
 
 def test_grpo_help_imports_no_method_module_and_no_torch():
-    code = ("import sys\nfrom grpolab.cli import app\n"
-            "try:\n    app(args=['grpo', '--help'], prog_name='grpolab')\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('grpolab.algorithms.')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "--n-grpo-steps" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    text, imported = help_and_imports("grpo", "grpolab.algorithms.")
+    assert "--n-grpo-steps" in text and imported == []
 
 
 def test_an_edited_class_is_described_from_its_source_not_from_a_stale_snapshot(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """``models.fused_head.response_log_probs`` equals ``core.get_response_log_probs`` (the plain CS336
-reference) on the embedded tiny model: log-probs, entropies and gradients, over several chunks."""
+reference) on the embedded tiny model: log-probs, entropies and the head's gradients, over several chunks."""
 
 import pytest
 import torch
