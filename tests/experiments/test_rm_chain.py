@@ -15,21 +15,30 @@ from grpolab.training.inputs import prompt_template_for, task_preference_pairs
 from grpolab.training.metric_logging import read_metrics
 
 OPTIONS = {"digits": 1, "num_ops": 2, "ops": "+-"}
-N_TEST = 100
+N_TEST = 400
+
+
+def coin_reaches(k: int, n: int = N_TEST) -> float:
+    """P(a coin gets at least k of n pairs right)."""
+    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2**n
+
+
+ABOVE_CHANCE = next(k for k in range(N_TEST + 1) if coin_reaches(k) < 1e-3)  # 232 of 400 (58 %)
 
 
 def test_a_reward_model_trained_on_task_pairs_ranks_held_out_pairs_and_drives_grpo(tmp_path, grpo_config):
     cfg = RMConfig(model="embedded:tiny", task="arithmetic", task_options=OPTIONS, n_rm_steps=100, train_batch_size=16,
-                   learning_rate=3e-3, task_train_size=400, eval_pairs=32, device="cpu", show_progress=False,
-                   run_dir=str(tmp_path / "rm"))
+                   learning_rate=3e-3, warmup_steps=10, lr_schedule="cosine", task_train_size=400, eval_pairs=32,
+                   device="cpu", show_progress=False,                   run_dir=str(tmp_path / "rm"))
     rm = train_rm(cfg)
     task = get_task("arithmetic", **OPTIONS)
     pairs = task_preference_pairs("arithmetic", "test", N_TEST, 0, OPTIONS, prompt_template_for(task, None))
     model, tok = load_sequence_classifier(str(rm.final_dir))
     accuracy = pairwise_accuracy(model.eval(), tok, pairs, cfg, "cpu")["pairwise_accuracy"]
-    # above chance: P(>= 65 of 100 right | a coin) < 0.2 %
-    assert accuracy >= 0.65, accuracy
-    assert sum(math.comb(N_TEST, k) for k in range(65, N_TEST + 1)) / 2**N_TEST < 0.002
+    # above chance at p < 0.001. The trained RM is not the same on every CPU (its 100 steps round
+    # differently under other kernels): measured 0.63-0.70 of 400 under AVX2's and ATen's default
+    # kernels, two seeds each; the bound is the coin's, not one machine's figure.
+    assert round(accuracy * N_TEST) >= ABOVE_CHANCE, (accuracy, ABOVE_CHANCE)
 
     grpo = train_grpo(grpo_config(task_options=OPTIONS, reward=rm_reward(rm.final_dir), n_grpo_steps=1))
     row = next(r for r in read_metrics(grpo.metrics_path) if "train/reward" in r)

@@ -32,15 +32,17 @@ def hf_weights(directory) -> dict[str, torch.Tensor]:
 
 def assert_equal_runs(got: dict, want: dict, what: str) -> None:
     """Equal to a run of the same batches on another layout: all but 1 entry in 1,000 within 1e-6
-    and every entry within 5 % of one AdamW step (lr). AdamW moves an entry by lr·m/(√v+ε): where
-    a gradient entry is near ε (1e-8), the ~1e-8 summation-order difference of an all-reduce is a
-    visible fraction of a step (measured: ~1 entry in 10,000 for DPO, whose first gradient is
-    small, up to 0.035 lr; the gradients themselves agree to 1e-7). A real fault (a row on the
-    wrong rank, a gradient not averaged) moves nearly every entry by ~lr."""
+    (a thousandth of one AdamW step, lr) and the mean difference within that too. A real fault (a
+    row on the wrong rank, a gradient not averaged) moves nearly every entry by ~lr. How far the
+    rare outliers go is not bounded by the rounding: AdamW moves an entry by lr·m/(√v+ε), and
+    where a gradient entry is near ε (1e-8) the ~1e-8 summation-order difference of an all-reduce
+    changes its step by a fraction of lr that depends on the CPU's kernels (measured up to 0.035 lr
+    on an AVX2 CPU, 0.067 lr on an AVX-512 one, for DPO, whose first gradient is small); AdamW's
+    own bound (|m̂/√v̂| ≤ 1 in the first two steps) caps it at 2 lr per step."""
     assert got.keys() == want.keys(), what
     diff = torch.cat([(got[k].float() - want[k].float()).abs().flatten() for k in want])
     assert int((diff > 1e-6).sum()) <= diff.numel() // 1_000, (what, int((diff > 1e-6).sum()), float(diff.max()))
-    assert float(diff.max()) <= 0.05 * LR, (what, float(diff.max()))
+    assert float(diff.mean()) <= 1e-3 * LR, (what, float(diff.mean()))
 
 
 def moved(final: dict) -> float:

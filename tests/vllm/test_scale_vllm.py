@@ -24,7 +24,6 @@ from tests.helpers.torchrun import ROOT, RUN, TORCHRUN, _env, _port, kill_after_
 # DeepSpeed JIT-builds its CPU op once per venv (as tests/scale/conftest.py keeps it: beside the venv)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 LOGPROB_TOL = 1e-5  # fp32 sampler and trainer
-LORA_TOL = 5e-5  # the merged weights' own fp32 rounding (see the LoRA test)
 # sampling_min_tokens 0: vLLM reports the first min_tokens log-probs in the distribution renormalised
 # without the end ids (documented in rollout.vllm); a varying reward, so every step trains and syncs
 VLLM = ["--rollout-backend", "vllm", "--sampling-min-tokens", "0", "--reward",
@@ -130,18 +129,39 @@ def assert_tool_steps(records: list[dict], tol: float = LOGPROB_TOL) -> None:
         assert r["tools/call_rate"] > 0.3 and r["tools/observation_tokens"] > 0, r  # multi-turn, through the engines
 
 
-def test_tool_environment_on_two_ranks_with_an_engine_each(tmp_path, tool_model_dir):
+@pytest.fixture(scope="module")
+def tool_error(tool_model_dir) -> dict[str, float]:
+    """One float32 computation's worst and mean distance from float64 (``tests.helpers.rounding``)
+    on the tool model's tokens at the runs' temperature, measured here (worst 1.1e-5 under ATen's
+    default kernels, 1.5e-5 under AVX2's, on an AVX2 CPU)."""
+    from grpolab.models import load_model_and_tokenizer
+    from tests.helpers.rounding import float32_logprob_error
+    from tests.helpers.tool_models import tool_prompts
+
+    model, tok = load_model_and_tokenizer(str(tool_model_dir))
+    return float32_logprob_error(model, tok, tool_prompts(), max_tokens=40, temperature=1.5)
+
+
+def tool_tol(error: dict[str, float], key: str = "max") -> float:
+    """The tolerance between the engines' and the trainer's float32 log-probs on the tool model:
+    four times one computation's error. Two implementations each sit within about that of the
+    exact value, and vLLM's and peft's kernels round differently again; a stale or wrong weight is
+    off by ~1e-3 and more."""
+    return 4 * error[key]
+
+
+def test_tool_environment_on_two_ranks_with_an_engine_each(tmp_path, tool_model_dir, tool_error):
     """Multi-turn rollouts under torchrun: each rank's engine runs its own number of turns (no
     collective inside a generate call), and the streamed weights keep every engine exact."""
     config = tool_run_config(tmp_path, tool_model_dir)
     torchrun(["-m", "grpolab", "grpo", "--config", str(config), "--distributed", "ddp"], timeout=400)
     records = step_records(tmp_path / "run")
-    assert_tool_steps(records)
+    assert_tool_steps(records, tol=tool_tol(tool_error))
     # DDP: whole weights on every rank, streamed as they are: nothing gathered or copied
     assert all(r["memory/weight_sync_gathered_mb_max"] == 0.0 for r in records)
 
 
-def test_lora_with_vllm_samples_from_base_plus_adapter_with_tools(tmp_path, tool_model_dir):
+def test_lora_with_vllm_samples_from_base_plus_adapter_with_tools(tmp_path, tool_model_dir, tool_error):
     """One process, a LoRA adapter, the tool environment: the engine gets W + (alpha/r) B A after
     every update (merged as it streams, one layer at a time) and samples exactly what the adapted
     trainer scores; the adapter moved."""
@@ -151,9 +171,9 @@ def test_lora_with_vllm_samples_from_base_plus_adapter_with_tools(tmp_path, tool
     assert out.returncode == 0, out.stderr[-3000:]
     records = step_records(tmp_path / "run")
     # the engine computes with W + s B A rounded once to fp32, peft with W x + s B (A x): the same
-    # function, rounded differently (worst token measured 1.1e-5 in one run; the mean stays within 1e-6)
-    assert_tool_steps(records, tol=LORA_TOL)
-    assert all(r["health/logprob_mismatch"] <= 1e-6 for r in records), records
+    # function, rounded differently (worst token measured 1.1e-5 in one run)
+    assert_tool_steps(records, tol=tool_tol(tool_error))
+    assert all(r["health/logprob_mismatch"] <= tool_tol(tool_error, "mean") for r in records), records
     assert all(r["memory/weight_sync_gathered_mb_max"] > 0 for r in records)  # merged tensors were made and sent
     adapter = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
     assert max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > 0  # B starts at 0
