@@ -50,7 +50,7 @@ from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder, empty_stats
 from .grpo_metrics import StepClock, grpo_per_token, log_step, rollout_metrics
 from .grpo_sampling import sample_groups
-from .grpo_update import Update, old_and_reference_log_probs, policy_update
+from .grpo_update import Update, old_and_reference_log_probs, policy_update, trained_signal
 
 
 class GRPOConfig(PolicyUpdateConfig):
@@ -309,7 +309,7 @@ def train_grpo(
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
             with clock.timed("token_records_s"):
                 recorder.record(step, groups.rollouts, groups.scores, cfg.group_size, tokenizer,
-                                grpo_per_token(batch, update, stats) if stats else {}, batch.advantages,
+                                grpo_per_token(batch, update, stats) if stats else {}, trained_signal(batch, cfg),
                                 groups.examples)
             m = clock.figures(m, run, groups, is_stats, with_tools=cfg.env is not None)
             log_step(run, health, update, m, scorer.last_error, step)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core import grpo_microbatch_train_step, importance_sampling_weights, kl_k3
+from ..core import compute_policy_gradient_loss, grpo_microbatch_train_step, importance_sampling_weights, kl_k3
 from ..models.fused_head import response_log_probs
 from ..models.shared_prefix import (
     label_to_response_layout,
@@ -92,6 +92,23 @@ def fewer_padded_tokens(sequences, passes: list[list[int]], rows_per_pass: int, 
     return by_length if pass_tokens(sequences, by_length, shared) < pass_tokens(sequences, passes, shared) else passes
 
 
+def loss_ratio(cfg, log_probs: torch.Tensor, mb: dict, old: torch.Tensor) -> torch.Tensor:
+    """Per token, the importance ratio the loss weighed and clipped, as the loss reports it (GSPO:
+    its sequence ratio ``s_i`` at every token of the response, whose clip flags the records show);
+    ``exp(log pi - log pi_old)`` for a loss without one. For the token records only: no gradient."""
+    with torch.no_grad():
+        _, meta = compute_policy_gradient_loss(
+            log_probs.detach(), cfg.loss_type, mb["raw_rewards"], mb["advantages"], old, cfg.cliprange,
+            cliprange_high=cfg.cliprange_high, **{**cfg.loss_options(), "response_mask": mb["response_mask"]})
+    return meta["ratio"].float() if "ratio" in meta else torch.exp(log_probs.detach() - old)
+
+
+def trained_signal(batch: RolloutBatch, cfg) -> torch.Tensor:
+    """What the loss multiplies each response's log-probs by: the raw reward under ``no_baseline``,
+    else the advantage (what the token records show as ``advantage``)."""
+    return batch.raw_rewards if cfg.loss_type == "no_baseline" else batch.advantages
+
+
 def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg, contributes: torch.Tensor,
                                kl_coef: float, device, autocast, trainer_lp: torch.Tensor | None = None,
                                token_stats: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
@@ -128,8 +145,6 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
         if trainer_lp is not None:
             trainer_lp[live, : label_lp.shape[1]] = label_lp
         old = mb.get("old_log_probs", log_probs.detach())
-        stats_meta = {} if token_stats is None else {"entropy": entropy.detach().float(),
-                                                     "ratio": torch.exp(log_probs.detach() - old)}
         # the global sizes set the loss scale, so the micro-batch count given here is not used
         loss, meta = grpo_microbatch_train_step(
             log_probs, mb["response_mask"], len(plans), cfg.loss_type,
@@ -151,8 +166,9 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
         if "clip_fraction" in meta:
             sums["clip"] += meta["clip_fraction"] * n_tok
         if token_stats is not None:
-            stats_meta["clipped"] = meta.get("clipped", torch.zeros_like(mask)).float()
-            for key, values in stats_meta.items():
+            figures = {"entropy": entropy.detach().float(), "ratio": loss_ratio(cfg, log_probs, mb, old),
+                       "clipped": meta.get("clipped", torch.zeros_like(mask)).float()}
+            for key, values in figures.items():
                 token_stats[key][live, : label_lp.shape[1]] = to_label_layout(values)
         if "kl" in meta:
             sums["kl"] += meta["kl"] * n_tok
@@ -207,7 +223,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     n = len(batch.sequences)
     trainer_lp = batch.old_log_probs.clone() if cfg.off_policy else torch.zeros(batch.labels.shape)
     trained = torch.full((n,), cfg.off_policy, dtype=torch.bool)
-    signal = batch.raw_rewards if cfg.loss_type == "no_baseline" else batch.advantages
+    signal = trained_signal(batch, cfg)
     has_tokens = batch.response_mask.any(1)  # an empty response never reaches the loss (0/0)
     # a row with zero advantage has zero gradient unless a KL or entropy term acts on it
     regularised = (has_reference and kl_ctl.value > 0) or cfg.entropy_coef > 0

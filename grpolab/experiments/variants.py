@@ -45,13 +45,23 @@ from .presets import (
 
 
 def parse_variants(text: str) -> list[str]:
+    """``--variants a,b,c``: known names, each once (one line otherwise, before anything trains)."""
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         raise ValueError(
             f"unknown variant(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}"
         )
+    check_distinct(names)
     return names
+
+
+def check_distinct(variants: list[str]) -> None:
+    """A variant named twice would train twice into the same directory and pair its seeds with
+    themselves in the report: refused."""
+    twice = sorted({v for v in variants if variants.count(v) > 1})
+    if twice:
+        raise ValueError(f"--variants names {', '.join(twice)} more than once; give each variant once")
 
 
 def variant_config(name: str, run_dir: Path, steps: int, seed: int, show_progress: bool,
@@ -92,6 +102,7 @@ def run_variants(run_dir: Path, variants: list[str], seeds: int = 3, steps: int 
     a copy of it. ``model``: a local chat model with ``REAL_VARIANTS_GRPO``'s settings instead of the
     embedded model on the demo's task; ``data``: a reasoning-gym dataset (``rg:NAME``, its own
     ``score_answer`` as the reward) instead of the arithmetic task."""
+    check_distinct(list(variants))
     if model is not None and warm_steps:
         raise ValueError("--warm-steps applies to the embedded model; --model starts from the model as it is")
     if data is not None and not data.startswith("rg:"):

@@ -1,12 +1,17 @@
 """Verifiers for the embedded tasks: exact integer arithmetic and Countdown equations.
 
-The Countdown verifier parses the model's equation with ``ast`` and evaluates it itself, admitting
-only integer literals, ``+ - * /`` and parentheses: model text never reaches ``eval``/``exec``.
+An integer is written in plain ASCII digits with an optional sign (``-7``, ``+7``, ``\u2212 7`` as
+``-7``), as ``r1_zero`` reads one: not in Python's literal spellings (``1_0``, ``0x0a``, fullwidth
+or other Unicode digits). The Countdown verifier parses the model's equation with ``ast`` and
+evaluates it itself, admitting only such integers, ``+ - * /`` and parentheses: model text never
+reaches ``eval``/``exec``. An equation may state its value (``3*5-2 = 13``): the right-hand side
+must then be the left's value, so a false claim (``3*5-2 = 99``) is wrong whatever the left reaches.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from fractions import Fraction
 from typing import Any
@@ -14,6 +19,15 @@ from typing import Any
 from .verifiers import extract_r1_zero_answer, reward_dict
 
 MAX_EQUATION_CHARS = 200
+_INTEGER_RE = re.compile(r"[+-]?[0-9]+")
+_EQUATION_CHARS_RE = re.compile(r"[0-9+\-*/()\s]*")  # what an admitted equation is written with
+
+
+def plain_integer(text: str) -> int | None:
+    """``text`` (surrounding whitespace and a Unicode minus allowed) as an integer written in ASCII
+    digits with an optional sign, else None: ``1_0``, ``0x0a``, ``１０``, ``10.0`` are not."""
+    text = text.strip().replace("\u2212", "-")
+    return int(text) if _INTEGER_RE.fullmatch(text) else None
 
 
 def arithmetic_reward_fn(response: str, ground_truth: Any, *, lenient_format: bool = False) -> dict[str, float]:
@@ -21,12 +35,8 @@ def arithmetic_reward_fn(response: str, ground_truth: Any, *, lenient_format: bo
     answer = extract_r1_zero_answer(response, lenient_format)
     if answer is None:
         return reward_dict(False, False)
-    text = answer.strip().replace("\u2212", "-")
-    try:
-        ok = int(text) == int(str(ground_truth).strip())
-    except ValueError:
-        ok = False
-    return reward_dict(True, ok)
+    value = plain_integer(answer)
+    return reward_dict(True, value is not None and value == plain_integer(str(ground_truth)))
 
 
 class _Rejected(ValueError):
@@ -57,18 +67,24 @@ def _evaluate(node: ast.AST, used: list[int]) -> Fraction:
 
 
 def evaluate_equation(equation: str) -> tuple[Fraction, list[int]] | None:
-    """Value of an integer ``+ - * /`` equation and the numbers it uses, or None when not admitted."""
+    """Value of an integer ``+ - * /`` equation and the numbers it uses, or None when not admitted:
+    written with other characters (Python's literal spellings), or stating a value (``= N``) that
+    is not the left side's."""
     expr = equation.replace("×", "*").replace("÷", "/").replace("\u2212", "-").strip()
-    if "=" in expr:  # "3*5-2 = 13": the left side is the equation
-        expr = expr.split("=", 1)[0].strip()
-    if not expr or len(expr) > MAX_EQUATION_CHARS or "**" in expr or "//" in expr:
+    expr, equals, stated = expr.partition("=")
+    if not expr.strip() or len(expr) > MAX_EQUATION_CHARS or "**" in expr or "//" in expr:
+        return None
+    if not _EQUATION_CHARS_RE.fullmatch(expr):
         return None
     try:
-        tree = ast.parse(expr, mode="eval")
+        tree = ast.parse(expr.strip(), mode="eval")
         used: list[int] = []
-        return _evaluate(tree, used), used
+        value = _evaluate(tree, used)
     except (SyntaxError, _Rejected, RecursionError, ValueError):
         return None
+    if equals and plain_integer(stated) != value:  # "3*5-2 = 13": the right side must be the value
+        return None
+    return value, used
 
 
 def countdown_reward_fn(response: str, ground_truth: Any, *, lenient_format: bool = False) -> dict[str, float]:

@@ -5,15 +5,17 @@ What a rank holds is what grpolab's own code allocates (``run_model.py``, ``dist
 ``core/logprobs.py``):
 
 - the training weights in float32 (``dtype: bfloat16`` is autocast over fp32 weights), whole under
-  none/DDP, ``1/world`` of them under FSDP2 and ZeRO-3; ZeRO-3 also keeps an fp32 master copy of its
-  partition;
-- gradients of the trainable parameters (fp32; sharded like the weights under FSDP2/ZeRO-2/3; DDP
-  keeps a second copy in its all-reduce buckets) and AdamW's two fp32 moments (sharded by
-  FSDP2/ZeRO, not by DDP); under LoRA only the adapters train;
+  none/DDP/ZeRO-1/2, ``1/world`` of them under FSDP2 and ZeRO-3; every ZeRO stage also keeps an fp32
+  master copy of its partition (DeepSpeed clones it even from fp32 weights);
+- gradients of the trainable parameters (fp32; sharded like the weights under FSDP2/ZeRO-2/3; ZeRO-1
+  keeps them whole and copies its partition's out; DDP keeps a second copy in its all-reduce
+  buckets) and AdamW's two fp32 moments (sharded by FSDP2 and every ZeRO stage, not by DDP); under
+  LoRA only the adapters train;
 - the sampler's plain copy of the full weights (``RunModel.replica``) whenever the training weights
   are sharded or adapted, and the hf sampler's fused q/k/v and gate/up weights (``fast_decoder``);
-  ZeRO-3's gradient reduce bucket (``reduce_bucket_size``, whole on a GPU); and the frozen
-  reference (``kl_coef``/``beta`` > 0; LoRA: none, the base with the adapter off);
+  ZeRO's gradient reduce bucket (``reduce_bucket_size`` with ``contiguous_gradients``, whole on a
+  GPU; two with ZeRO-1/2's ``overlap_comm``); and the frozen reference (``kl_coef``/``beta`` > 0;
+  LoRA: none, the base with the adapter off);
 - one micro-batch's activations (every tensor a decoder layer saves for its backward; with gradient
   checkpointing only each layer's input, plus one layer recomputed) and the log-prob buffers (the
   head runs ``LOGITS_CHUNK_BYTES`` of float32 logits at a time);
@@ -31,16 +33,22 @@ Validated against measured peak RSS of real CPU runs (tests/scale/test_memory_pl
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import yaml
 
 from ..core.logprobs import LOGITS_CHUNK_BYTES
-from .config import ConfigError
-from .plan_inputs import GiB, Hardware, MiB, ModelShape, longest_prompt, model_shape
+from .config import ConfigError, load_yaml_file
+from .plan_inputs import (
+    GiB,
+    Hardware,
+    MiB,
+    ModelShape,
+    check_prompt_tokens,
+    longest_prompt,
+    model_shape,
+    zero_bucket,
+    zero_options,
+)
 
 # Beyond the modelled terms: a CUDA context with the allocator's slack (a typical figure, not measured
 # here), or a CPU process that has imported torch and transformers (measured here: ~350 MB).
@@ -90,6 +98,7 @@ class RankMemory:
     lora_fraction: float = 0.0  # of the weights the adapters cover (merged at each sync)
     weights: int = 0
     gradients: int = 0
+    kept_gradients: int = 0  # of ``gradients``, what ZeRO keeps between steps (its partition)
     optimizer: int = 0  # AdamW's two fp32 moments
     step_temp: int = 0  # torch's AdamW (foreach): one temporary per state tensor
     replica: int = 0
@@ -105,12 +114,12 @@ class RankMemory:
     def persistent(self) -> int:
         """What lives through every phase after set-up (ZeRO keeps its gradient partitions too)."""
         return (self.weights + self.replica + self.fused + self.bucket + self.reference + self.optimizer
-                + (self.gradients if self.stage else 0))
+                + self.kept_gradients)
 
     @property
     def live_gradients(self) -> int:
-        """The gradients an update and the optimizer step add (ZeRO's are in ``persistent``)."""
-        return 0 if self.stage else self.gradients
+        """The gradients an update and the optimizer step add (ZeRO's partition is in ``persistent``)."""
+        return self.gradients - self.kept_gradients
 
     @property
     def resident_engine(self) -> int:
@@ -133,29 +142,18 @@ class RankMemory:
         return acts + logits + gathered
 
 
-def _zero_options(cfg) -> dict:
-    """The ``zero_optimization`` block of the run's DeepSpeed config (grpolab's default: ZeRO-3)."""
-    if cfg.distributed != "deepspeed":
-        return {"stage": 0}
-    if not cfg.deepspeed_config:
-        return {"stage": 3}
-    path = Path(cfg.deepspeed_config)
-    try:
-        return json.loads(path.read_text()).get("zero_optimization", {})
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"deepspeed_config: cannot read {path} ({exc})") from None
-
-
 def _resident(cfg, shape: ModelShape, hw: Hardware, notes: list[str]) -> RankMemory:
     """The terms every phase shares: weights, gradients, AdamW, the sampler's copy, the reference,
     ZeRO-3's gradient bucket."""
     world = hw.ranks if cfg.distributed != "none" else 1
     if cfg.distributed == "none" and hw.ranks > 1:
         notes.append(f"distributed is none: one process uses one of the {hw.ranks} devices")
-    zero = _zero_options(cfg)
-    stage = int(zero.get("stage", 0))
+    zero = zero_options(cfg)
+    stage = zero["stage"]
     sharded_params = cfg.distributed == "fsdp2" or stage == 3
-    state_share = world if sharded_params or stage == 2 else 1
+    # ZeRO-1 partitions the optimizer states, ZeRO-2 the gradients too, ZeRO-3 and FSDP2 the weights too
+    state_share = world if sharded_params or stage else 1
+    grad_share = world if sharded_params or stage >= 2 else 1
     P, lora, gpu = shape.n_params, cfg.lora_r > 0, hw.kind == "gpu"
     trainable = shape.lora_params(cfg.lora_r, cfg.lora_target_modules) if lora else P
     m = RankMemory(shape, world, stage, sharded_params, lora, bf16=getattr(cfg, "dtype", "float32") == "bfloat16",
@@ -163,42 +161,51 @@ def _resident(cfg, shape: ModelShape, hw: Hardware, notes: list[str]) -> RankMem
     if lora:
         m.lora_fraction = shape.lora_weight_fraction(cfg.lora_target_modules)
     m.weights = 4 * P // (world if sharded_params else 1)
-    if stage == 3:
-        m.weights += 4 * trainable // world  # ZeRO-3's fp32 master partition beside the parameters'
+    if stage:
+        # every ZeRO stage's fp32 master partition beside the parameters' (stage_1_and_2.py's
+        # single_partition_of_fp32_groups, a clone even of fp32 weights; stage3.py's fp32 partition)
+        m.weights += 4 * trainable // world
     # a plain full copy of the weights when the trained ones are sharded or adapted: the hf sampler's,
     # and with vLLM still kept for validation and final/ (the engine's weights stream from the shards)
     m.replica = 4 * P if (lora or sharded_params) else 0
     kl = getattr(cfg, "kl_coef", 0) > 0 or cfg.needs_reference
     m.reference = 4 * P if kl and not lora else 0
     m.optimizer = 8 * trainable // state_share
-    m.gradients = 4 * trainable // state_share
+    m.gradients = 4 * trainable // grad_share
+    if stage:
+        m.kept_gradients = 4 * trainable // world
+    if stage == 1:  # whole gradients through the backward; this rank's partition copied out of them
+        m.gradients += m.kept_gradients
     if cfg.distributed == "ddp" and world > 1:
         m.gradients *= 2  # DDP's all-reduce buckets hold a second copy of every gradient
-    if stage == 3 and zero.get("contiguous_gradients", True):
-        # ZeRO-3's gradient reduce bucket, torch.empty(reduce_bucket_size): a GPU allocates it whole, a
-        # CPU only the pages the gradients fill
-        size = int(float(zero.get("reduce_bucket_size", 5e8)))
-        m.bucket = 4 * (size if gpu else min(size, trainable))
-    m.step_temp = 4 * trainable // state_share
+    m.bucket = zero_bucket(zero, trainable, gpu)
+    m.step_temp = 4 * trainable // state_share  # AdamW steps this rank's partition of the states
     if cfg.fsdp_cpu_offload and gpu:  # FSDP2 CPU offload: shards, their gradients and AdamW live in host memory
         notes.append("fsdp_cpu_offload: the weight shards, gradients and optimizer states are in host memory")
-        m.weights = m.gradients = m.optimizer = m.step_temp = 0
+        m.weights = m.gradients = m.kept_gradients = m.optimizer = m.step_temp = 0
     return m
 
 
-def _micro_batch(cfg, m: RankMemory, prompt_tokens: int | None, notes: list[str]) -> int:
+def _micro_batch(cfg, m: RankMemory, prompt_tokens: int | None, notes: list[str], source: str = "") -> int:
     """Rows of one micro-batch on a rank; sets ``m.seq`` (the longest prompt plus the new tokens)."""
     new_tokens = getattr(cfg, "sampling_max_tokens", 0)
-    if prompt_tokens is None:
-        prompt_tokens = longest_prompt(cfg)
-    if prompt_tokens is None:
-        max_len = getattr(cfg, "vllm_max_model_len", None)
-        prompt_tokens = max_len - new_tokens if max_len and max_len > new_tokens else 512
-        notes.append(f"prompts taken as {prompt_tokens} tokens: the data or tokenizer is not on this machine "
-                     "(--prompt-tokens to change)")
+    context = m.shape.max_position_embeddings
+    if prompt_tokens is not None:
+        check_prompt_tokens(prompt_tokens, new_tokens, context, source)
+        notes.append(f"longest prompt: {prompt_tokens} tokens (--prompt-tokens)")
     else:
-        notes.append(f"longest prompt: {prompt_tokens} tokens (--prompt-tokens to change)")
-    m.seq = min(prompt_tokens + new_tokens, m.shape.max_position_embeddings)
+        prompt_tokens = longest_prompt(cfg)
+        if prompt_tokens is None:
+            max_len = getattr(cfg, "vllm_max_model_len", None)
+            prompt_tokens = max_len - new_tokens if max_len and max_len > new_tokens else 512
+            notes.append(f"prompts taken as {prompt_tokens} tokens: the data or tokenizer is not on this machine "
+                         "(--prompt-tokens to change)")
+        else:
+            notes.append(f"longest prompt: {prompt_tokens} tokens (--prompt-tokens to change)")
+    if prompt_tokens + new_tokens > context:
+        notes.append(f"{prompt_tokens} prompt + {new_tokens} new tokens (sampling_max_tokens) exceed the model's "
+                     f"context of {context}: sequences planned as {context} tokens (the run refuses such a prompt)")
+    m.seq = min(prompt_tokens + new_tokens, context)
     rows_per_rank = math.ceil(cfg.train_batch_size / m.world)
     rows = math.ceil(rows_per_rank / max(1, getattr(cfg, "gradient_accumulation_steps", 1)))
     return rows * cfg.rows_per_example
@@ -292,14 +299,14 @@ def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: 
     shape, source = model_shape(cfg.model, architecture)
     plan = Plan(shape, source, hw)
     m = _resident(cfg, shape, hw, plan.notes)
-    rows = plan.micro_batch_rows = _micro_batch(cfg, m, prompt_tokens, plan.notes)
+    rows = plan.micro_batch_rows = _micro_batch(cfg, m, prompt_tokens, plan.notes, source)
     plan.seq_len = m.seq
     _sampler(cfg, m, hw, plan.notes)
     ckpt = cfg.gradient_checkpointing
     acts = rows * m.seq * shape.activation_bytes_per_token(ckpt, m.bf16)
     plan.terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states (AdamW)": m.optimizer,
                   "sampler's weight copy": m.replica, "sampler's fused q/k/v, gate/up (hf)": m.fused,
-                  "ZeRO-3 gradient bucket": m.bucket, "reference model": m.reference, "activations": acts,
+                  "ZeRO gradient bucket": m.bucket, "reference model": m.reference, "activations": acts,
                   "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts, "vLLM weights": m.engine,
                   "KV cache": m.kv_cache,
                   "activations (other setting)": rows * m.seq * shape.activation_bytes_per_token(not ckpt, m.bf16)}
@@ -358,8 +365,8 @@ def config_for_plan(trainers: dict, path, overrides: dict, method: str | None = 
             raise ConfigError(f"--method: unknown {method!r}; expected one of {', '.join(trainers)}")
         return trainers[method][0].build(path, overrides)
     try:
-        keys = set(yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {})
-    except (OSError, yaml.YAMLError, TypeError, ValueError):
+        keys = set(load_yaml_file(path) or {})
+    except (ConfigError, TypeError):  # the trainer's build below says what is wrong with the file
         keys = set()
     order = sorted(trainers, key=lambda name: trainers[name][0].steps_field not in keys)
     errors = []

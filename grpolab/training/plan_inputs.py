@@ -1,7 +1,10 @@
 """What a memory plan (``memory_plan.py``) is about besides the run's config, read without loading the
 model: its shape — a Llama/Qwen2-style decoder's sizes from its ``config.json`` (or a
 named architecture's, or the embedded model's), and what each of its parts costs in bytes — the
-hardware (GPUs as given, or this machine), and the length of the run's longest prompt."""
+hardware (GPUs as given, or this machine), the length of the run's longest prompt, and the ZeRO
+block of its DeepSpeed config. Each is checked as it is read: one line naming the flag, or the file
+and its key, for a size that is not a positive integer, a count below 1, a memory that is not a
+finite figure, or a prompt that does not fit the context."""
 
 from __future__ import annotations
 
@@ -26,6 +29,20 @@ ARCHITECTURES: dict[str, dict] = {
                             max_position_embeddings=4096, tie_word_embeddings=False),
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB: beyond it a figure is a typo (or inf), not a GPU
+
+
+def _positive_int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
+    """``cfg[key]`` as a size: a positive integer (JSON's ``1e3``, ``32.7``, ``Infinity``, ``NaN``,
+    strings and booleans are not); ``default`` where the key is absent or null (optional keys)."""
+    value = cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        shown = json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
+        raise ValueError(f"{source}: {key} must be a positive integer, got {shown}")
+    return value
 
 
 def _targeted(targets) -> tuple[str, ...]:
@@ -52,18 +69,28 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, source: str) -> "ModelShape":
-        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        missing = [k for k in keys if k not in cfg]
+        """The shape of a config.json's values; each size a positive integer (one line naming the key
+        and ``source`` otherwise: no negative, zero, fractional, infinite or missing size)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: not a JSON object but {type(cfg).__name__} (grpolab plan reads decoder-only "
+                             "config.json files)")
+        missing = [k for k in REQUIRED_SIZES if k not in cfg]
         if missing:
             raise ValueError(f"{source}: no {', '.join(missing)} (grpolab plan reads decoder-only config.json files)")
-        heads = int(cfg["num_attention_heads"])
-        return cls(hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-                   num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
-                   num_key_value_heads=int(cfg.get("num_key_value_heads") or heads), vocab_size=int(cfg["vocab_size"]),
-                   max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        size = {k: _positive_int(cfg, k, source) for k in REQUIRED_SIZES}
+        heads = size["num_attention_heads"]
+        kv_heads = _positive_int(cfg, "num_key_value_heads", source, default=heads)
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+        head_dim = _positive_int(cfg, "head_dim", source, default=size["hidden_size"] // heads)
+        if head_dim < 1:
+            raise ValueError(f"{source}: hidden_size {size['hidden_size']} over {heads} attention heads leaves no "
+                             "head dimension (give head_dim)")
+        return cls(**size, num_key_value_heads=kv_heads,
+                   max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=2048),
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                    attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-                   head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads))
+                   head_dim=head_dim)
 
     @property
     def q_dim(self) -> int:
@@ -150,6 +177,8 @@ def model_shape(model: str, architecture: str | None = None) -> tuple[ModelShape
             cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path / 'config.json'}: invalid JSON ({exc.msg})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path / 'config.json'}: not a text file (a config.json is UTF-8 JSON)") from None
         return ModelShape.from_config(cfg, str(path / "config.json")), f"{path / 'config.json'}"
     if path.name.lower() in presets:
         name = presets[path.name.lower()]
@@ -167,12 +196,18 @@ class Hardware:
 
     @classmethod
     def detect(cls, gpus: int | None, gpu_memory_gib: float | None, nproc: int | None) -> "Hardware":
+        """``--gpus`` GPUs of ``--gpu-memory`` GiB each, else this machine's memory shared by ``--nproc``
+        processes; a count below 1, or a memory that is not a finite figure above 0, is one line."""
         if gpus is not None or gpu_memory_gib is not None:
             if not gpus or gpus < 1:
                 raise ValueError("--gpus: give the number of GPUs (>= 1) with --gpu-memory")
-            if not gpu_memory_gib or gpu_memory_gib <= 0:
-                raise ValueError("--gpu-memory: give each GPU's memory in GiB (e.g. 80)")
+            if not gpu_memory_gib or not 0 < gpu_memory_gib <= MAX_GPU_MEMORY_GIB:  # nan fails both comparisons
+                got = "" if gpu_memory_gib is None else f", got {gpu_memory_gib}"
+                raise ValueError(f"--gpu-memory: give each GPU's memory in GiB, above 0 and at most "
+                                 f"{MAX_GPU_MEMORY_GIB:,} (e.g. 80){got}")
             return cls("gpu", gpus, int(gpu_memory_gib * GiB))
+        if nproc is not None and nproc < 1:
+            raise ValueError(f"--nproc: give the number of processes (>= 1), got {nproc}")
         ranks = nproc or 1
         total = 0
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -194,3 +229,49 @@ def longest_prompt(cfg, n: int = 256) -> int | None:
         return max(len(tokenizer(inputs.template.format(q))["input_ids"]) for q in questions)
     except (DataError, TemplateError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def check_prompt_tokens(prompt_tokens: int, new_tokens: int, context: int, source: str) -> None:
+    """``--prompt-tokens``: at least 1, and short enough that the model's context has room for a new
+    token after it (one line naming the flag otherwise; a prompt that fits but leaves less than
+    ``sampling_max_tokens`` is the plan's note)."""
+    if prompt_tokens < 1:
+        raise ValueError(f"--prompt-tokens: give the longest prompt's length in tokens (>= 1), got {prompt_tokens}")
+    room = context - (1 if new_tokens else 0)
+    if prompt_tokens > room:
+        raise ValueError(f"--prompt-tokens: {prompt_tokens} tokens leave no room for a response in the model's "
+                         f"context of {context} tokens (max_position_embeddings from {source}); the run would "
+                         "refuse such a prompt")
+
+
+def zero_options(cfg) -> dict:
+    """The ``zero_optimization`` block of the run's DeepSpeed config (grpolab's default: ZeRO-3),
+    with its ``stage`` (0-3) checked."""
+    if cfg.distributed != "deepspeed":
+        return {"stage": 0}
+    if not cfg.deepspeed_config:
+        return {"stage": 3}
+    path = Path(cfg.deepspeed_config)
+    try:
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"deepspeed_config: cannot read {path} ({exc})") from None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"deepspeed_config: {path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return {**zero, "stage": stage}
+
+
+def zero_bucket(zero: dict, trainable: int, gpu: bool) -> int:
+    """ZeRO's gradient reduce bucket with ``contiguous_gradients`` (DeepSpeed's default):
+    ``torch.empty(reduce_bucket_size)`` of fp32 gradients, two with ZeRO-1/2's ``overlap_comm`` (off
+    by default there) — a GPU allocates it whole, a CPU only the pages the gradients fill."""
+    if not zero["stage"] or not zero.get("contiguous_gradients", True):
+        return 0
+    try:
+        size = int(float(zero.get("reduce_bucket_size", 5e8)))
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"deepspeed_config: zero_optimization.reduce_bucket_size must be a number of elements, "
+                         f"got {zero.get('reduce_bucket_size')!r}") from None
+    buffers = 2 if zero["stage"] < 3 and zero.get("overlap_comm") else 1
+    return 4 * buffers * (size if gpu else min(size, trainable))

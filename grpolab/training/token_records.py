@@ -2,9 +2,11 @@
 
 Each GRPO/PPO step writes one JSON line per recorded group to ``tokens.jsonl`` beside
 ``metrics.jsonl``: the prompt, and per response its reward components, finish reason, advantage
-and, per response token (column-wise lists, floats rounded to 4 digits, null where unknown): the
-token's text, the sampler's and the trainer's log-probs, the entropy, the ratio to the old policy
-and whether the clip acted, and whether it is an observation token (tools). Only figures the step
+(the signal the loss multiplied the response by: the raw reward under ``no_baseline``) and, per
+response token (column-wise lists, floats rounded to 4 digits, null where unknown): the token's
+text, the sampler's and the trainer's log-probs, the entropy, the ratio to the old policy the loss
+weighed (GSPO's: the sequence ratio, at every token of the response) and whether its clip acted,
+and whether it is an observation token (tools). Only figures the step
 computed anyway are kept (nothing is recomputed): a row the update skipped (zero advantage) has no
 trainer figures. ``token_record_groups`` groups per step (0: nothing recorded, no cost); which
 groups is drawn from its own seeded stream, so recording never changes a run's numbers.
@@ -29,8 +31,13 @@ def empty_stats(shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     return {key: torch.full(shape, float("nan")) for key in STAT_KEYS}
 
 
+def _round1(value: float) -> float | None:
+    """``value`` to 4 places; None (JSON null) for Infinity and NaN, which JSON has no spelling for."""
+    return round(value, 4) if math.isfinite(value) else None
+
+
 def _round(values: list[float]) -> list[float | None]:
-    return [None if math.isnan(v) or math.isinf(v) else round(v, 4) for v in values]
+    return [_round1(v) for v in values]
 
 
 class TokenRecorder:
@@ -80,12 +87,12 @@ class TokenRecorder:
     def _response(rollout, score: dict, row: int, tokenizer, per_token: dict, advantages: torch.Tensor) -> dict:
         n = len(rollout.response_ids)
         start = len(rollout.prompt_ids) - 1  # label layout: position t predicts token t + 1
-        out = {"reward": round(float(score.get("reward", 0.0)), 4),
-               "rewards": {k: round(float(v), 4) for k, v in score.items() if isinstance(v, (int, float))},
+        out = {"reward": _round1(float(score.get("reward", 0.0))),
+               "rewards": {k: _round1(float(v)) for k, v in score.items() if isinstance(v, (int, float))},
                "finish": rollout.finish_reason, "text": rollout.response,
                "tokens": tokenizer.batch_decode([[i] for i in rollout.response_ids], skip_special_tokens=False)}
         if advantages.dim() == 1:
-            out["advantage"] = round(float(advantages[row]), 4)
+            out["advantage"] = _round1(float(advantages[row]))
         else:
             out["advantage"] = _round(advantages[row, start : start + n].tolist())
         for key, values in per_token.items():

@@ -88,6 +88,55 @@ def test_unknown_dataset_and_option_are_one_line_errors_naming_what_exists():
     assert "\n" not in str(option.value) and "min_digits" in str(option.value)
 
 
+def test_a_seed_in_task_options_is_the_generators_seed_as_given(grpo_config):
+    # RG08: the run's seed is spread apart (seed x 1,000,003) unless task_options give one
+    import reasoning_gym
+
+    options = {"min_digits": 1, "max_digits": 2}
+    given = get_task("rg:basic_arithmetic", seed=3, options={**options, "seed": 5})
+    assert given.options["seed"] == 5 and get_task("rg:basic_arithmetic", seed=3).options["seed"] == 3 * 1_000_003
+    direct = reasoning_gym.create_dataset("basic_arithmetic", **options, seed=5, size=100_000)
+    test = given.examples("test", 2)
+    assert [e.question for e in test] == [direct[e.meta["rg_index"]]["question"] for e in test]
+    cfg = grpo_config(task="rg:basic_arithmetic", task_options={**options, "seed": 5}, task_train_size=3)
+    from grpolab.training.inputs import load_inputs
+
+    assert [e.question for e in load_inputs(cfg).train] == [e.question for e in given.examples("train", 3)]  # grpo
+    examples, _, _ = task_or_file("rg:basic_arithmetic", 2, seed=3, task_options={**options, "seed": 5})
+    assert [e.question for e in examples] == [e.question for e in test]  # eval
+
+
+@pytest.mark.parametrize("options,says", [
+    ({"min_digits": 1, "max_digits": 2.5}, "of rg:basic_arithmetic: max_digits must be an integer, got 2.5"),
+    ({"size": -5}, "task_options of rg:basic_arithmetic: size must be at least 1, got -5"),
+    ({"size": 0}, "size must be at least 1, got 0"),
+    ({"size": "abc"}, "task_options of rg:basic_arithmetic: size must be an integer, got 'abc'"),
+    ({"seed": None}, "seed must be an integer, got None"),
+    ({"allow_parentheses": "yes"}, "allow_parentheses must be true or false, got 'yes'"),
+    ({"format_style": "fancy"}, "format_style must be one of 'simple', 'natural', got 'fancy'"),
+    ({"min_digits": 1, "max_digits": 1, "operators": ["/"]},
+     "task rg:basic_arithmetic: the generator failed on item 0 (IndexError: Cannot choose from an empty sequence); "
+     "check its task_options"),
+])
+def test_a_wrong_option_or_a_failing_generator_is_one_line_naming_the_task(options, says):
+    with pytest.raises(ValueError) as err:
+        get_task("rg:basic_arithmetic", options=options).examples("test", 2)
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_empty_dataset_name_and_eval_with_a_wrong_option_are_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from grpolab import cli
+
+    with pytest.raises(ValueError, match=r"^task 'rg:' names no reasoning-gym dataset; give one after 'rg:'"):
+        get_task("rg:")
+    out = CliRunner().invoke(cli.app, ["eval", "--model", "embedded:tiny", "--data", "rg:basic_arithmetic",
+                                       "--task-option", "size=abc", "--out", str(tmp_path / "eval")])  # RG10
+    assert out.exit_code == 2 and out.stderr.strip().splitlines() == [
+        "grpolab: error: task_options of rg:basic_arithmetic: size must be an integer, got 'abc'"], out.stderr
+
+
 def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
     with pytest.raises(ValueError, match=r"grpolab\[gym\]") as err:

@@ -38,6 +38,25 @@ def test_unknown_variant_is_one_clear_error():
         parse_variants("grpo,nope")
 
 
+def test_a_variant_named_twice_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from grpolab import cli
+    from grpolab.experiments import variants
+
+    with pytest.raises(ValueError, match="^--variants names grpo more than once; give each variant once$"):
+        parse_variants("grpo,dapo,grpo")
+    # the CLI: one line, exit 2, and nothing loaded or trained (the report would pair a run with itself)
+    monkeypatch.setattr(variants, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = CliRunner().invoke(cli.app, ["compare", "--variants", "grpo,grpo", "--seeds", "1", "--steps", "1",
+                                       "--run-dir", str(tmp_path / "c")])
+    assert out.exit_code == 2 and out.stderr.strip().splitlines() == [
+        "grpolab: error: --variants names grpo more than once; give each variant once"], out.stderr
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match="more than once"):  # the API too
+        run_variants(tmp_path / "r", ["grpo", "grpo"], seeds=1, steps=1, warm_steps=0)
+
+
 def test_report_aggregates_the_seeds(tmp_path):
     quick = dict(rollout_batch_size=16, train_batch_size=16, sampling_max_tokens=8)
     report = run_variants(tmp_path, ["dr_grpo", "dapo"], seeds=2, steps=2, warm_steps=2, test_examples=8,

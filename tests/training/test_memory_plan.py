@@ -90,3 +90,35 @@ def test_plan_command_prints_every_term_and_the_verdict(monkeypatch):
     for term in ("weights", "gradients", "optimizer states", "activations", "log-prob buffers", "vLLM weights",
                  "KV cache", "reference model", "largest micro-batch", "fits"):
         assert term in out.stdout, term
+
+
+def _zero_terms(tmp_path, stage: int, **zero) -> tuple[dict, int]:
+    path = tmp_path / f"zero{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, **zero}}))
+    cfg = GRPOConfig(model="/absent/Qwen2.5-Math-1.5B", distributed="deepspeed", deepspeed_config=str(path),
+                     rollout_batch_size=64, group_size=8, train_batch_size=64, gradient_accumulation_steps=8,
+                     dtype="bfloat16", run_dir=str(tmp_path / "run"))
+    plan = estimate(cfg, Hardware("gpu", 8, 80 * GiB), prompt_tokens=256)
+    return plan.terms, plan.shape.n_params
+
+
+def test_zero_1_and_2_keep_deepspeeds_fp32_master_partition_and_shard_adamw(tmp_path):
+    # DeepSpeed's stage_1_and_2.py: every rank keeps an fp32 clone of its partition
+    # (single_partition_of_fp32_groups) beside the whole weights, and AdamW's states of it only;
+    # ZeRO-2 keeps its partition of the gradients, ZeRO-1 every gradient and a copy of its partition
+    world = 8
+    for stage in (1, 2):
+        terms, P = _zero_terms(tmp_path, stage)
+        assert terms["weights"] == 4 * P + 4 * P // world, stage
+        assert terms["optimizer states (AdamW)"] == 8 * P // world, stage
+        assert terms["gradients"] == (4 * P if stage == 1 else 0) + 4 * P // world, stage
+        assert terms["ZeRO gradient bucket"] == 4 * 5 * 10**8, stage  # contiguous_gradients: a 5e8-element bucket
+    assert _zero_terms(tmp_path, 2, overlap_comm=True)[0]["ZeRO gradient bucket"] == 2 * 4 * 5 * 10**8
+    assert _zero_terms(tmp_path, 2, contiguous_gradients=False)[0]["ZeRO gradient bucket"] == 0
+    terms, P = _zero_terms(tmp_path, 3)  # ZeRO-3 as before: the parameters' partition and the master's
+    assert terms["weights"] == 4 * P // world + 4 * P // world and terms["gradients"] == 4 * P // world
+
+
+def test_an_unknown_zero_stage_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3, got 'two'"):
+        _zero_terms(tmp_path, "two")

@@ -191,3 +191,19 @@ def test_cli_writes_the_page_and_serves_it_on_localhost(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_token_records_write_non_finite_figures_as_null():
+    """A reward of 1e39 is inf in float32 (and a reward function may return inf or NaN): the
+    record says null, which JSON can spell, rather than Infinity, which strict readers refuse."""
+    from types import SimpleNamespace
+
+    from grpolab.models import build_char_tokenizer
+
+    rollout = SimpleNamespace(prompt_ids=[1, 2], response_ids=[3, 4], finish_reason="eos", response="ab",
+                              loss_mask=None, info={})
+    score = {"reward": float("inf"), "verifier": float("nan"), "format": 1.0}
+    out = TokenRecorder._response(rollout, score, 0, build_char_tokenizer(), {}, torch.tensor([float("-inf")]))
+    assert out["reward"] is None and out["rewards"] == {"reward": None, "verifier": None, "format": 1.0}
+    assert out["advantage"] is None
+    json.loads(json.dumps(out, allow_nan=False))

@@ -43,13 +43,14 @@ class ArithmeticTask(Task):
     ops: str = "+-"
     phrasing: str = "compact"
     name = "arithmetic"
+    # a question's numbers stay printable (Python's int-to-str limit) and its length bounded
+    option_bounds = {**Task.option_bounds, "digits": (1, 100), "num_ops": (1, 100)}
+    option_choices = {**Task.option_choices, "phrasing": PHRASINGS}
 
     def __post_init__(self):
         super().__post_init__()
-        if self.digits < 1 or self.num_ops < 1 or not self.ops or set(self.ops) - set("+-*"):
-            raise ValueError("arithmetic task: digits >= 1, num_ops >= 1, ops from '+-*'")
-        if self.phrasing not in PHRASINGS:
-            raise ValueError(f"arithmetic task: phrasing must be one of {', '.join(PHRASINGS)}, got {self.phrasing!r}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"task_options of arithmetic: ops must be one or more of '+-*', got {self.ops!r}")
         self.reward_fn = arithmetic_reward_fn
 
     def _make(self, rng: random.Random, wrong: bool) -> Example:

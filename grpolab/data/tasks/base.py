@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..datasets import Example
+from .options import check_options, dataclass_fields
 
 SPLITS = ("train", "validation", "test")
 
@@ -39,12 +40,22 @@ class Task:
     name = "task"
     default_template = "compact"
     reward_fn: Callable[[str, Any], dict] = None  # set by subclasses
+    # the settings' bounds (inclusive; None: open) and allowed values, checked with their types
+    option_bounds = {"wrong_fraction": (0.0, 1.0)}
+    option_choices = {"wrong_kind": ("step", "answer")}
 
     def __post_init__(self):
-        if not 0.0 <= self.wrong_fraction <= 1.0:
-            raise ValueError(f"wrong_fraction must be within [0, 1], got {self.wrong_fraction}")
-        if self.wrong_kind not in ("step", "answer"):
-            raise ValueError(f"wrong_kind must be 'step' or 'answer', got {self.wrong_kind!r}")
+        self.check_settings()
+
+    def check_settings(self) -> None:
+        """One line naming the task and the setting for a wrong type, a value out of bounds or not
+        among the allowed ones (``task_options of arithmetic: digits must be at least 1, got -5``)."""
+        fields = dataclass_fields(type(self))
+        check_options(self.name, {k: getattr(self, k) for k in fields}, fields, self.option_bounds)
+        for key, allowed in self.option_choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"task_options of {self.name}: {key} must be one of {', '.join(map(repr, allowed))}, "
+                                 f"got {getattr(self, key)!r}")
 
     def _make(self, rng: random.Random, wrong: bool) -> Example:  # pragma: no cover - abstract
         raise NotImplementedError

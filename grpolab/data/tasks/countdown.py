@@ -21,11 +21,10 @@ class CountdownTask(Task):
     num_numbers: int = 3
     max_number: int = 20
     name = "countdown"
+    option_bounds = {**Task.option_bounds, "num_numbers": (2, 10), "max_number": (2, 10**6)}
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_numbers < 2 or self.max_number < 2:
-            raise ValueError("countdown task: num_numbers >= 2 and max_number >= 2")
         self.reward_fn = countdown_reward_fn
 
     def _make(self, rng: random.Random, wrong: bool) -> Example:

@@ -83,19 +83,16 @@ class RetrievalTask(Task):
     relations: str = "ruler,river,mayor"
     wrong_kind: str = "answer"
     name = "retrieval"
+    option_bounds = {**Task.option_bounds, "num_entities": (10, 2000)}
+    option_choices = {"wrong_kind": WRONG_KINDS}
 
     def __post_init__(self):
-        if not 0.0 <= self.wrong_fraction <= 1.0:
-            raise ValueError(f"wrong_fraction must be within [0, 1], got {self.wrong_fraction}")
-        if self.wrong_kind not in WRONG_KINDS:
-            raise ValueError(f"retrieval task: wrong_kind must be one of {', '.join(WRONG_KINDS)}, "
-                             f"got {self.wrong_kind!r}")
+        self.check_settings()
         self.relation_names = [r.strip() for r in self.relations.split(",") if r.strip()]
         unknown = [r for r in self.relation_names if r not in RELATIONS]
         if unknown or not self.relation_names:
-            raise ValueError(f"retrieval task: relations from {', '.join(RELATIONS)}, got {self.relations!r}")
-        if not 10 <= self.num_entities <= 2000:
-            raise ValueError(f"retrieval task: num_entities must be within [10, 2000], got {self.num_entities}")
+            raise ValueError(f"task_options of retrieval: relations must be a comma-separated list of "
+                             f"{', '.join(RELATIONS)}, got {self.relations!r}")
         self.reward_fn = retrieval_reward_fn
         self.world = self._world()
 
