@@ -12,6 +12,9 @@ from .fields import typer_options
 
 # every option's flag, default and help are its field's in ``options.EvalOptions`` (read from the snapshot)
 option = typer_options("eval")
+NO_VERIFIER = ("grpolab eval: no accuracy, pass@k or maj@k: the reward is a reward model's score alone (reported as "
+               "reward_model/<name>), not a check of the answer; add the task's verifier to the --reward list, e.g. "
+               "'[{model: DIR}, {fn: arithmetic, key: answer_reward, weight: 0}]'")
 
 
 @app.command("eval")
@@ -45,6 +48,7 @@ def eval_cmd(
     _quiet_hf()
     from ..eval.report import check_writable, corpus_token_ids, evaluate_model, format_table, write_report
     from ..models import load_model, load_tokenizer, resolve_dtype
+    from ..rewards.reward_model import load_reward_models
     from ..rollout import make_backend
     from ..training.inputs import task_or_file
     from .options import EvalOptions
@@ -57,6 +61,7 @@ def eval_cmd(
             opts.data, opts.n, seed=opts.seed, prompt_template=opts.prompt_template, reward=opts.reward,
             retrieval=opts.retrieval, task_options=opts.task_options, tokenizer=tok, system_prompt=opts.system_prompt)
         lm = load_model(opts.model, tokenizer=tok)
+        load_reward_models(reward_fn)  # before sampling: a bad reward model must not cost the samples
         corpus_ids = corpus_token_ids(opts.corpus, tok) if opts.corpus else None
         autocast = resolve_dtype(opts.dtype) if opts.dtype != "float32" else None
         sampler = make_backend(opts.backend, lm, tok, seed=opts.seed, autocast_dtype=autocast,
@@ -69,10 +74,12 @@ def eval_cmd(
             max_tokens=opts.max_tokens, min_tokens=opts.min_tokens, stop=opts.stop, seed=opts.seed,
             corpus_ids=corpus_ids, reward_timeout_s=opts.reward_timeout_s, source=opts.data, entropy=opts.entropy)
         sampler.close()
+        typer.echo(format_table(metrics))  # first: a report that cannot be written leaves the figures on screen
+        if "accuracy" not in metrics:
+            typer.echo(NO_VERIFIER, err=True)
+        write_report(opts.out, metrics, generations)
     except _user_errors() as exc:
         _fail(str(exc))
-    write_report(opts.out, metrics, generations)
-    typer.echo(format_table(metrics))
     typer.echo(f"\nwritten: {opts.out / 'eval.json'}, {opts.out / 'generations.jsonl'}")
 
 

@@ -1,4 +1,10 @@
-"""``evaluate``: generate for held-out questions, grade them through a guarded reward, summarise."""
+"""``evaluate``: generate for held-out questions, grade them through a guarded reward, summarise.
+
+With learned reward models (``reward: {model: ...}``) each model's mean raw score is its own figure,
+``reward_model/<name>``; ``accuracy``, the format rate, pass@k and maj@k come from a verifier only (a rule
+in the reward list that reports ``answer_reward``): an RM's score is not a right answer, and without a
+verifier those rows are left out. Evaluation scores unnormalised: it never moves a reward model's
+running statistics, and a z-score over the evaluated batch (mean 0 by construction) is no figure."""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..rewards import RewardScorer
+from ..rewards.reward_model import unnormalized
 from ..rollout import Rollout, SamplingParams
 
 
@@ -19,6 +26,7 @@ class EvalResult:
     scores: list[dict[str, float]]
     ground_truths: list[Any]
     sampling: SamplingParams | None = None
+    correct: list[bool] | None = None  # per rollout, by the verifier; None: no verifier (a reward model alone)
 
 
 def _mean(xs) -> float:
@@ -28,16 +36,51 @@ def _mean(xs) -> float:
 
 def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, responses, gts, prompts=None,
            questions=None):
-    """Scores and the number of reward errors of this call (a reused scorer keeps its own total)."""
+    """Scores, the number of reward errors of this call (a reused scorer keeps its own total), and the
+    names of the reward models among the components (none for a rule reward)."""
     own = scorer is None
     scorer = scorer or RewardScorer(reward_fn, timeout_s=reward_timeout_s)
     before = scorer.errors
     try:
-        scores = scorer.score(responses, gts, prompts=prompts, questions=questions)
+        with unnormalized(scorer.model_reward):  # a training scorer's running statistics stay as they are
+            scores = scorer.score(responses, gts, prompts=prompts, questions=questions)
     finally:
         if own:
             scorer.close()
-    return scores, scorer.errors - before
+    return scores, scorer.errors - before, list(scorer.model_reward.names) if scorer.model_reward else []
+
+
+def correctness(scores: list[dict[str, float]], model_names: list[str]) -> list[bool] | None:
+    """Whether each response is right: ``reward >= 1`` for a rule reward; beside reward models, the verifier's
+    ``answer_reward`` (times its ``format_reward``) — None when no component is a verifier."""
+    if not model_names:
+        return [s["reward"] >= 1.0 for s in scores]
+    if not any("answer_reward" in s for s in scores):
+        return None
+    return [_answer(s) >= 1.0 for s in scores]
+
+
+def _answer(s: dict[str, float]) -> float:
+    """A right answer in the right format (the plain reward when a custom one reports no answer)."""
+    return s.get("answer_reward", s["reward"]) * s.get("format_reward", 1.0)
+
+
+def score_metrics(scores: list[dict[str, float]], lengths: list[int], model_names: list[str],
+                  correct: list[bool] | None) -> dict[str, float]:
+    """accuracy and the format rate (a verifier's: left out beside reward models without one), the mean
+    reward, each reward model's mean raw score (``reward_model/<name>``) and the lengths of right and wrong
+    answers."""
+    verified = correct is not None
+    out = {"accuracy": _mean(_answer(s) for s in scores)} if verified else {}
+    out["reward"] = _mean(s["reward"] for s in scores)
+    out.update({f"reward_model/{name}": _mean(s.get(f"{name}_raw", 0.0) for s in scores) for name in model_names})
+    if verified:
+        out["format_rate"] = _mean(s.get("format_reward", 0.0) for s in scores)
+    out["mean_length"] = _mean(lengths)
+    if verified:
+        out["mean_length_correct"] = _mean(n for n, c in zip(lengths, correct) if c)
+        out["mean_length_incorrect"] = _mean(n for n, c in zip(lengths, correct) if not c)
+    return out
 
 
 def evaluate(
@@ -51,7 +94,8 @@ def evaluate(
     *,
     reward_timeout_s: float = 10.0,
 ) -> EvalResult:
-    """Answer accuracy, format rate, mean response length (all, correct, incorrect), truncation.
+    """Answer accuracy, format rate, mean response length (all, correct, incorrect), truncation; beside
+    reward models, their mean scores (see the module doc).
 
     Rewards go through a ``RewardScorer`` (``scorer``, or one made with ``reward_timeout_s``): a
     reward that raises, returns NaN or runs past the timeout scores 0 and is counted in
@@ -59,20 +103,14 @@ def evaluate(
     prompts = [template.format(e.question) for e in examples]
     rollouts = backend.generate(prompts, n, sampling)
     gts = [examples[r.prompt_index].answer for r in rollouts]
-    scores, errors = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts], gts,
-                            [r.prompt for r in rollouts], [examples[r.prompt_index].question for r in rollouts])
-    lengths = [len(r.response_ids) for r in rollouts]
-    correct = [s["reward"] >= 1.0 for s in scores]
+    scores, errors, model_names = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts],
+                                         gts, [r.prompt for r in rollouts],
+                                         [examples[r.prompt_index].question for r in rollouts])
+    correct = correctness(scores, model_names)
     metrics = {
-        # a right answer in the right format (the plain reward when a custom one reports no answer)
-        "accuracy": _mean(s.get("answer_reward", s["reward"]) * s.get("format_reward", 1.0) for s in scores),
-        "reward": _mean(s["reward"] for s in scores),
-        "format_rate": _mean(s.get("format_reward", 0.0) for s in scores),
-        "mean_length": _mean(lengths),
-        "mean_length_correct": _mean(l for l, c in zip(lengths, correct) if c),
-        "mean_length_incorrect": _mean(l for l, c in zip(lengths, correct) if not c),
+        **score_metrics(scores, [len(r.response_ids) for r in rollouts], model_names, correct),
         "truncation_rate": _mean(r.finish_reason == "length" for r in rollouts),
         "n": len(rollouts),
         "reward_errors": errors,
     }
-    return EvalResult(metrics, rollouts, scores, gts, sampling)
+    return EvalResult(metrics, rollouts, scores, gts, sampling, correct)

@@ -4,9 +4,10 @@ token entropy and lengths of a model on held-out questions, as JSON plus a reada
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..data import DataError
 from ..data.datasets import read_jsonl_records, require_field
@@ -83,18 +84,22 @@ def check_eval_inputs(
 
 def sample_metrics(result: EvalResult, keys: Sequence[str | None], questions: int, k: int) -> dict[str, float]:
     """pass@k, pass@1, maj@k, consistency and diversity over ``k`` samples for each question;
-    maj@k, consistency and distinct answers share one grouping of the answers (by equivalence)."""
+    maj@k, consistency and distinct answers share one grouping of the answers (by equivalence).
+    Without a verifier (``result.correct`` None: a reward model alone) no pass@k or maj@k."""
     per_q: list[list[int]] = [[] for _ in range(questions)]
     for i, r in enumerate(result.rollouts):
         per_q[r.prompt_index].append(i)
-    correct = [s["reward"] >= 1.0 for s in result.scores]
+    correct = result.correct if result.correct is not None else [False] * len(result.rollouts)
     votes = [majority_vote([keys[i] for i in idx], [correct[i] for i in idx]) for idx in per_q]
     n_right = [sum(correct[i] for i in idx) for idx in per_q]
     ids = [r.response_ids for r in result.rollouts]
-    return {
+    verified = {
         f"pass@{k}": sum(pass_at_k(k, c, k) for c in n_right) / questions,
         "pass@1": sum(pass_at_k(k, c, 1) for c in n_right) / questions,
         f"maj@{k}": sum(v.maj for v in votes) / questions,
+    } if result.correct is not None else {}
+    return {
+        **verified,
         "consistency": sum(v.consistency for v in votes) / questions,
         "distinct_1": distinct_n(ids, 1),
         "distinct_2": distinct_n(ids, 2),
@@ -184,10 +189,23 @@ def check_writable(out: Path) -> None:
 
 
 def write_report(out_dir: Path, metrics: dict, generations: list[dict]) -> None:
-    """``eval.json`` and ``generations.jsonl`` in ``out_dir`` (ValueError if it is not writable)."""
+    """``eval.json``, then ``generations.jsonl``, in ``out_dir``: each written whole or not at all (a temporary
+    file renamed into place). ``ValueError`` naming the file when one cannot be written (not a directory,
+    no permission, a full disk): one line, and no half-written file."""
     out_dir = Path(out_dir)
     check_writable(out_dir)
-    (out_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
-    with open(out_dir / "generations.jsonl", "w", encoding="utf-8") as f:
-        for g in generations:
-            f.write(json.dumps(g) + "\n")
+    write_atomically(out_dir / "eval.json", [json.dumps(metrics, indent=2)])
+    write_atomically(out_dir / "generations.jsonl", (json.dumps(g) + "\n" for g in generations))
+
+
+def write_atomically(path: Path, chunks: Iterable[str]) -> None:
+    """``chunks`` as the text of ``path``, through ``.<name>.tmp`` beside it (removed when writing fails)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -129,6 +129,19 @@ def first_line(exc: Exception) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def check_weight_files(p: Path) -> None:
+    """Every ``*.safetensors`` file of ``p`` opens (its header read and its data covered): a truncated or
+    damaged one is a one-line ``ModelLoadError`` naming the file, not a safetensors traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            raise ModelLoadError(f"{file}: damaged or truncated weights file ({first_line(exc)})") from None
+
+
 def _load_error(path: str, what: str, exc: Exception) -> ModelLoadError:
     if "trust_remote_code" in str(exc):
         return ModelLoadError(f"{path} holds its own model code (auto_map); it runs only with trust_remote_code=True")
@@ -173,6 +186,7 @@ def load_model(
 
         p = model_directory(path)
         check_safe_weights(p)
+        check_weight_files(p)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(p), dtype=torch_dtype, use_safetensors=True, local_files_only=True,

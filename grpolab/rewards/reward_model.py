@@ -17,12 +17,20 @@ score is still charged like a failing reward (component 0, counted in the scorer
 
 Normalisation (``normalize``): ``none``; ``batch`` (z-score over the batch being scored — under
 torchrun over every rank's shard together); ``running`` (z-score by a running mean and std of every
-score so far, also over all ranks; its state is saved in the run's checkpoints).
+score so far, also over all ranks; its state is saved in the run's checkpoints). Evaluation and
+validation score raw (``unnormalized``): they leave the running statistics alone.
+
+When it is checked: the keys and that ``model`` is a sequence classifier (its ``config.json``) when the
+config is built; the rest — the weights read whole, the head present, ``label`` within the labels, the
+tokenizer and its chat template, ``device`` usable — when the trainers check their inputs
+(``load_reward_models``), before a run directory is touched, ``--overwrite`` clears one or ``--resume``
+cuts its metrics back; ``grpolab eval`` does the same before sampling. The models loaded there score.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -35,7 +43,7 @@ MODEL_KEYS = ("model", "weight", "name", "label", "score", "device", "dtype", "m
 class RewardModelOptions(BaseModel):
     """One reward-model component of ``reward:`` (the keys of ``{model: PATH, ...}``)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     model: str
     weight: float = 1.0
@@ -52,9 +60,29 @@ class RewardModelOptions(BaseModel):
     @field_validator("model")
     @classmethod
     def _directory(cls, value: str) -> str:
+        """A sequence classifier's directory: a causal LM would score with a freshly initialised head."""
+        from ..models.classifier import describe_architecture, is_sequence_classifier
+
         if not (Path(value).expanduser() / "config.json").is_file():
             raise ValueError(f"{value}: not a model directory (no config.json); a reward model is a local "
                              "AutoModelForSequenceClassification directory, e.g. grpolab rm's final/")
+        if not is_sequence_classifier(value):
+            raise ValueError(f"{value}: {describe_architecture(value)}; a reward model is a local "
+                             "AutoModelForSequenceClassification directory with a trained head, e.g. grpolab rm's "
+                             f"final/ (grpolab rm --model {value} trains one from it)")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        """A device string torch reads (whether this machine has it is checked when the model loads)."""
+        import torch
+
+        if value is not None:
+            try:
+                torch.device(value)
+            except (RuntimeError, ValueError):
+                raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
         return value
 
 
@@ -120,41 +148,65 @@ def _global_moments(values: list[float]) -> tuple[float, float, float]:
     return float(n), mean, sum((v - mean) ** 2 for v in flat)
 
 
+def reward_device(option: str | None, default=None):
+    """Where a reward model runs: its ``device`` (which this machine must have), else ``default`` (the
+    trainer's), else CUDA when there is one. A device the machine lacks is one line naming reward.device."""
+    import torch
+
+    if option is None:
+        return torch.device(default or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = torch.device(option)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        missing = f"this torch ({torch.__version__}) has no usable CUDA device"
+    elif target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        missing = f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    elif target.type == "mps" and not torch.backends.mps.is_available():
+        missing = "this machine has no MPS device"
+    else:
+        return target
+    raise ValueError(f"reward.device {option!r}: {missing}; set it to cpu, or leave it out to run the reward model "
+                     "on the trainer's device")
+
+
 class RewardModel:
-    """One reward model, loaded on first use; ``raw_scores`` and ``normalized`` (see the module doc)."""
+    """One reward model, loaded by ``load`` (the trainers' input check) or on first use; ``raw_scores`` and
+    ``normalized`` (see the module doc)."""
 
     def __init__(self, options: RewardModelOptions):
         self.options = options
         self.running = RunningMeanStd()
         self.model = self.tokenizer = self.index = None
 
-    def load(self, device) -> None:
+    def load(self, device=None) -> None:
+        """Open the model on its device (see ``reward_device``): weights read whole, its head present (never a
+        fresh one), ``label`` among its labels, the tokenizer with a chat template where ``chat_template`` asks
+        for one; a one-line error otherwise. Once: a loaded model stays (and scores)."""
         if self.model is not None:
             return
-        import torch
-
         from ..models.classifier import load_sequence_classifier
         from ..models.loading import resolve_dtype
 
         o = self.options
-        target = torch.device(o.device or device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.tokenizer = load_sequence_classifier(o.model, dtype=resolve_dtype(o.dtype), device=target)
-        self.model.eval().requires_grad_(False)
-        self.tokenizer.truncation_side = "left"  # the score is read at the end: keep the response's end
-        self.index = self._label_index()
+        target = reward_device(o.device, device)
+        model, tokenizer = load_sequence_classifier(o.model, dtype=resolve_dtype(o.dtype), require_head=True)
+        self.index = self._label_index(model)
+        if o.chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"reward model {o.model}: chat_template is set but its tokenizer has no chat template")
+        tokenizer.truncation_side = "left"  # the score is read at the end: keep the response's end
+        self.model, self.tokenizer = model.to(target).eval().requires_grad_(False), tokenizer
 
-    def _label_index(self) -> int:
-        labels, label = int(self.model.config.num_labels), self.options.label
+    def _label_index(self, model) -> int:
+        labels, label = int(model.config.num_labels), self.options.label
         if label is None:
             if labels != 1:
                 raise ValueError(f"reward model {self.options.model} has {labels} labels "
-                                 f"({self.model.config.id2label}); choose one with label: INDEX or NAME")
+                                 f"({model.config.id2label}); choose one with label: INDEX or NAME")
             return 0
         if isinstance(label, int):
             if not 0 <= label < labels:
                 raise ValueError(f"reward model {self.options.model}: label {label} out of range (it has {labels})")
             return label
-        names = {str(v): int(k) for k, v in self.model.config.id2label.items()}
+        names = {str(v): int(k) for k, v in model.config.id2label.items()}
         if label not in names:
             raise ValueError(f"reward model {self.options.model}: no label {label!r}; its labels: {', '.join(names)}")
         return names[label]
@@ -202,20 +254,27 @@ class ModelReward:
 
     def __init__(self, rule, models: list[RewardModel]):
         self.rule, self.models = rule, models
+        self.normalizing = True  # False inside ``unnormalized``
         self.names: list[str] = []
         for i, m in enumerate(models):
             base = m.options.name or "rm"
             self.names.append(base if base not in self.names else f"{base}#{i}")
 
+    def load(self, device=None) -> None:
+        """Open every model now (``RewardModel.load``)."""
+        for rm in self.models:
+            rm.load(device)
+
     def combine(self, rule_scores: list[dict], prompts, responses, questions=None, device=None
                 ) -> tuple[list[dict], list[str]]:
         """Each item's scores with every model's component (``<name>``, and ``<name>_raw`` before
-        normalisation) added to ``reward``; and the messages of non-finite model scores (charged 0)."""
+        normalisation) added to ``reward``; and the messages of non-finite model scores (charged 0).
+        Inside ``unnormalized`` the component is the raw score and no statistics move."""
         out = [dict(s) for s in rule_scores]
         errors: list[str] = []
         for name, rm in zip(self.names, self.models):
             raw = rm.raw_scores(prompts, responses, questions, device)
-            for s, r, v in zip(out, raw, rm.normalized(raw)):
+            for s, r, v in zip(out, raw, rm.normalized(raw) if self.normalizing else list(raw)):
                 if not math.isfinite(v):
                     errors.append(f"reward model {rm.options.model} gave a non-finite score ({r})")
                     v = 0.0
@@ -230,3 +289,31 @@ class ModelReward:
         for name, rm in zip(self.names, self.models):
             if name in state:
                 rm.running.load_state_dict(state[name])
+
+
+def unnormalized(reward: Any):
+    """A context in which a ``ModelReward`` (anything else: nothing changes) scores its models raw: their
+    ``normalize`` is not applied and the running statistics do not move. Evaluation and validation score
+    so: a z-score over the evaluated batch has mean 0 by construction, and validation rollouts (drawn with
+    the eval sampling settings) must not shift the statistics that normalise training rewards."""
+    if not isinstance(reward, ModelReward):
+        return nullcontext(reward)
+    return _unnormalized(reward)
+
+
+@contextmanager
+def _unnormalized(reward: ModelReward):
+    before, reward.normalizing = reward.normalizing, False
+    try:
+        yield reward
+    finally:
+        reward.normalizing = before
+
+
+def load_reward_models(*rewards: Any, device=None) -> None:
+    """Open the reward models among ``rewards`` now, on ``device`` unless one names its own (see
+    ``RewardModel.load``): the trainers call it in their input check, before the run directory is touched,
+    ``grpolab eval`` before sampling. The loaded models are the ones that score (nothing loads twice)."""
+    for reward in rewards:
+        if isinstance(reward, ModelReward):
+            reward.load(device)

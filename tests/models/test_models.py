@@ -141,6 +141,17 @@ def test_a_pickled_checkpoint_is_refused_for_safety(tmp_path):
         load_model(str(out))
 
 
+def test_a_truncated_weights_file_is_one_line_naming_it(tmp_path):
+    model, tok = load_model_and_tokenizer("embedded:tiny")
+    out = save_model_and_tokenizer(model, tok, tmp_path / "m")
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])  # a copy cut short (a full disk, an interrupted transfer)
+    for load in (load_model_and_tokenizer, load_model):
+        with pytest.raises(ModelLoadError, match=r"m/model.safetensors: damaged or truncated weights file") as err:
+            load(str(out))
+        assert "\n" not in str(err.value)
+
+
 def _custom_code_model(tmp_path):
     """A model directory whose config asks for its own Python code (``auto_map``)."""
     import json
