@@ -40,9 +40,10 @@ def _fail(message: str) -> None:
 def _user_errors():
     from ..data import DataError, TemplateError
     from ..training.config import ConfigError
+    from ..training.health import NonFiniteWeightsError
 
     return (ConfigError, DataError, TemplateError, ValueError, FileNotFoundError, NotADirectoryError,
-            IsADirectoryError, PermissionError)
+            IsADirectoryError, PermissionError, NonFiniteWeightsError)
 
 
 def boolean_flag_values(argv: list[str]) -> list[str]:

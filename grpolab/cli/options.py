@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..envs.build import RetrievalSettings
-from ..training.config import BaseConfig, ConfigError
+from ..training.config import BaseConfig, ConfigError, short_repr, yaml_value
 from ..training.run_config import RunConfig
 from ..training.sampled_run_config import SampledRunConfig
 
@@ -42,16 +41,14 @@ TopK = same_as(RetrievalSettings, "top_k")
 
 
 def key_values(items: list[str], flag: str) -> dict:
-    """``KEY=VALUE`` strings -> dict, values read as YAML scalars (2 -> int, true -> bool)."""
+    """``KEY=VALUE`` strings -> dict, values read as the training commands read a value of a field
+    that is not text (``yaml_value``: 2 -> int, true -> bool, [1, 2] -> a list, text as typed)."""
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
-        try:
-            out[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            out[key.strip()] = raw
+        out[key.strip()] = yaml_value(raw)
     return out
 
 
@@ -84,9 +81,9 @@ class CommandOptions(BaseConfig):
             return err["msg"].removeprefix("Value error, ")
         flag, rule = cls.flag(str(err["loc"][0])), RULES.get(err["type"])
         if rule is None:
-            return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+            return f"{flag}: {err['msg']} (got {short_repr(err.get('input'))})"
         ctx = {k: str(v).replace("'", "") for k, v in (err.get("ctx") or {}).items()}
-        return f"{flag} must be {rule.format(**ctx)}, got {err.get('input')!r}"
+        return f"{flag} must be {rule.format(**ctx)}, got {short_repr(err.get('input'))}"
 
 
 class EvalOptions(CommandOptions):

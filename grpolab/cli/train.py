@@ -132,7 +132,9 @@ REPORTS = {"grpo": _report, "sft": _report_sft, "ei": _report_ei, "ppo": _report
 
 
 FIELDS_INTRO = ("Config fields: each can be given as --field value (dashes or underscores) or as a key of the "
-                "--config file; `grpolab config {command}` prints them all as commented YAML.")
+                "--config file; `grpolab config {command}` prints them all as commented YAML. A text field takes "
+                "the value as typed (null: none, where it may be null); any other reads it as YAML: 3, true, "
+                "[a, b], {{k: v}}.")
 
 
 class TrainingCommand(TyperCommand):

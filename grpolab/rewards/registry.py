@@ -147,7 +147,7 @@ class WeightedReward:
 class _ComponentSpec(BaseModel):
     """One weighted component of a config's ``reward:`` list."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
 
     fn: Any
     weight: float = 1.0
@@ -312,5 +312,7 @@ def check_reward_output(scores: Any) -> dict[str, float]:
         v = float(v)  # raises for non-numbers
         if math.isnan(v) or math.isinf(v):
             raise ValueError(f"reward function returned {k}={v}")
+        if abs(v) > 3.4028234663852886e38:  # torch.finfo(torch.float32).max: rewards become float32 tensors
+            raise ValueError(f"reward function returned {k}={v}, outside float32's range (rewards are float32)")
         out[str(k)] = v
     return out

@@ -1,43 +1,216 @@
 """Validated configs: YAML files plus command-line overrides; unknown keys and bad values are
 one-line errors naming the key. The fields every method shares are in ``run_config.py`` and
 ``sampled_run_config.py``; each field is documented by the docstring under it (``--help``,
-``grpolab config`` and ``docs/reference/config.md`` read them)."""
+``grpolab config`` and ``docs/reference/config.md`` read them).
+
+A config file is read by ``load_yaml_file``: safe YAML (no Python tags), at most ``MAX_CONFIG_BYTES``,
+no duplicate key, aliases that expand to at most ``MAX_ALIAS_VALUES`` values. A command-line value is
+kept as typed (``CommandLineValue``) and read by its field's type when the config is built
+(``field_value``): a text field (str, a path, a choice of names) takes the text verbatim, any other
+field reads it as YAML."""
 
 from __future__ import annotations
 
+import reprlib
+import types
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePath
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
     """A bad config; the message names the file or key."""
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
+# ---------------------------------------------------------------- reading YAML safely
+
+MAX_CONFIG_BYTES = 10 * 2**20  # a config is a few KB; a bigger file is a mistake (a checkpoint, a log)
+MAX_ALIAS_VALUES = 100_000  # values that aliases may add to a document (a billion-laughs file: billions)
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
+NULL_TEXTS = ("null", "~", "")  # a command-line value meaning null for a field that may be null
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base`: keys given beside it override the merged ones, as YAML says
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the constructor's own error names it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first + 1})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _alias_values(root) -> int:
+    """How many values aliases add to the document ``root`` (a node graph: an alias is the anchored
+    node itself), counted without expanding them; a node that contains itself raises."""
+    sizes: dict[int, int] = {}
+    distinct = 0
+
+    def size(node, open_nodes: set[int]) -> int:
+        nonlocal distinct
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise yaml.composer.ComposerError(None, None, "a recursive alias (a value that contains itself)",
+                                              node.start_mark)
+        distinct += 1
+        children = node.value if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)) else ()
+        open_nodes.add(key)
+        total = 1
+        for child in children:
+            for part in (child if isinstance(child, tuple) else (child,)):
+                total += size(part, open_nodes)
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root, set()) - distinct
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` as YAML (``_ConfigLoader``: safe, no duplicate keys, aliases bounded); yaml.YAMLError
+    on a refusal, with a mark where there is one."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        added = _alias_values(node)
+        if added > MAX_ALIAS_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases expand it by {added} values, more than {MAX_ALIAS_VALUES}: a YAML alias bomb?")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def load_yaml_file(path: str | Path) -> Any:
+    """A YAML file read by ``load_yaml``; a ConfigError of one line naming the file (and the line)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a config file")
+    if not p.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size} bytes, larger than a config may be ({MAX_CONFIG_BYTES // 2**20} MB)")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") \
+            from None
+    try:
+        return load_yaml(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', None) or exc})") from None
+
+
+# ---------------------------------------------------------------- command-line values
+
+
+class CommandLineValue(str):
+    """A value as typed on the command line (``parse_overrides``); ``BaseConfig.build`` reads it by
+    its field's type (``field_value``)."""
+
+
+def _is_text_type(kind: Any) -> bool:
+    if get_origin(kind) is Annotated:
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Literal:
+        return all(isinstance(v, str) for v in get_args(kind))
+    return kind is str or (isinstance(kind, type) and issubclass(kind, PurePath))
+
+
+def _union_members(annotation: Any) -> tuple:
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def yaml_value(raw: str) -> Any:
+    """A command-line value read as YAML (``load_yaml``) for a field that is not text: a number, a
+    boolean, a list, a mapping, null. YAML that reads as a string gives back the text as typed (so
+    ``a #b`` keeps its ``#b``), and so does text that is not YAML."""
+    try:
+        value = load_yaml(raw)
+    except (yaml.YAMLError, RecursionError):
+        return raw
+    return raw if isinstance(value, str) else value
+
+
+def field_value(annotation: Any, raw: str) -> Any:
+    """A command-line value for a field of type ``annotation``. A text field (str, a Path, a choice
+    of names, or one of these or null) takes the text exactly as typed; null, ~ or an empty value
+    is null for a field that may be null. Any other field reads it as YAML (``yaml_value``)."""
+    members = _union_members(annotation)
+    kinds = [k for k in members if k is not type(None)]
+    if kinds and all(_is_text_type(k) for k in kinds):
+        return None if len(kinds) < len(members) and raw in NULL_TEXTS else str(raw)
+    return yaml_value(raw)
+
+
+# ---------------------------------------------------------------- validation messages
+
+_SHORT = reprlib.Repr()  # a few levels and items of a container, then "..."
+for _name, _limit in {"maxlevel": 2, "maxtuple": 4, "maxlist": 4, "maxarray": 4, "maxdict": 4, "maxset": 4,
+                      "maxfrozenset": 4, "maxdeque": 4, "maxstring": 60, "maxlong": 40, "maxother": 60}.items():
+    setattr(_SHORT, _name, _limit)
+MAX_SHOWN = 100  # characters of a refused value a message shows
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` in at most ``MAX_SHOWN`` characters, without walking more than a few levels and
+    items of a container (a value built from YAML aliases can be a billion items deep)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+def _format_validation_error(exc: ValidationError, source: str, typed: frozenset[str] = frozenset()) -> str:
+    """One line for every refused key; a key in ``typed`` came from the command line and says so
+    (the line starts with ``command line`` when every refused key did)."""
+    errors = exc.errors()
+    cli = [bool(err["loc"]) and err["loc"][0] in typed for err in errors]
+    source = source if not all(cli) else "command line"
     parts = []
-    for err in exc.errors():
+    for err, from_cli in zip(errors, cli):
         key = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        where = " (command line)" if from_cli and source != "command line" else ""
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown key '{key}'")
         elif not key:  # a rule across fields: its message names them
             parts.append(msg)
         else:
-            parts.append(f"'{key}': {msg} (got {err.get('input')!r})")
+            parts.append(f"'{key}'{where}: {msg} (got {short_repr(err.get('input'))})")
     return f"{source}: " + "; ".join(parts)
 
 
 class BaseConfig(BaseModel):
-    """Base of every method's config: no unknown keys, validated on assignment, and every field
-    described by the docstring under it. A field a subclass declares again only to change its
-    default (``run_dir``) keeps the description of the field it replaces."""
+    """Base of every method's config: no unknown keys, validated on assignment, no NaN or infinite
+    float, and every field described by the docstring under it. A field a subclass declares again
+    only to change its default (``run_dir``) keeps the description of the field it replaces."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
-                              use_attribute_docstrings=True)
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -49,38 +222,51 @@ class BaseConfig(BaseModel):
 
     @classmethod
     def build(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None):
-        """Load ``path`` (YAML), apply ``overrides`` (``key -> value``), validate."""
+        """Load ``path`` (YAML, ``load_yaml_file``), apply ``overrides`` (``key -> value``; a
+        ``CommandLineValue`` is read by its field's type), validate."""
         data: dict[str, Any] = {}
         source = "config"
         if path is not None:
             source = str(path)
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"{path}: no such config file")
-            try:
-                loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-            except yaml.YAMLError as exc:
-                mark = getattr(exc, "problem_mark", None)
-                where = f":{mark.line + 1}" if mark else ""
-                raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+            loaded = load_yaml_file(path)
             if loaded is None:
                 loaded = {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: the config must be a mapping of keys to values")
             data.update(loaded)
+        typed = set()
         for key, value in (overrides or {}).items():
             key = key.replace("-", "_")
-            if key not in cls.model_fields:
-                raise ConfigError(f"unknown key '{key}' (command line); valid keys: {', '.join(cls.model_fields)}")
-            if value is BARE_FLAG:
-                if cls.model_fields[key].annotation not in (bool, bool | None):
-                    raise ConfigError(f"--{key.replace('_', '-')} needs a value")
-                value = True
-            data[key] = value
+            data[key] = cls._override(key, value)
+            if isinstance(value, CommandLineValue):
+                typed.add(key)
         try:
             return cls(**data)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, source)) from None
+            raise ConfigError(_format_validation_error(exc, source, frozenset(typed))) from None
+
+    @classmethod
+    def _override(cls, key: str, value: Any) -> Any:
+        """An override's value for field ``key``: a bare flag is true for a boolean, a command-line
+        value is read by the field's type (``field_value``), any other value is taken as it is."""
+        if key not in cls.model_fields:
+            raise ConfigError(f"unknown key '{key}' (command line); valid keys: {', '.join(cls.model_fields)}")
+        annotation = cls.model_fields[key].annotation
+        if value is BARE_FLAG:
+            if bool not in _union_members(annotation):
+                raise ConfigError(f"--{key.replace('_', '-')} needs a value")
+            return True
+        return field_value(annotation, value) if isinstance(value, CommandLineValue) else value
+
+    @model_validator(mode="after")
+    def _within_float32(self):
+        """A float beyond float32's range (a learning rate of 1e39) is refused here: every tensor it
+        meets is float32, where it is infinite (AdamW would fail deep inside its step)."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+                raise ValueError(f"'{name}': {value:g} is beyond float32's range (±{FLOAT32_MAX:.3g})")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -97,9 +283,11 @@ BARE_FLAG = _BareFlag()
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``--key value`` / ``--key=value`` pairs -> dict; values parsed as YAML scalars/lists. A
-    bare ``--key`` (at the end, or followed by another ``--option``) means ``true``, so every
-    boolean takes ``--flag``, ``--flag true`` and ``--flag false`` alike."""
+    """``--key value`` / ``--key=value`` pairs -> dict of ``CommandLineValue``: each value is kept
+    as typed, and read by its field's type when the config is built (``field_value``: text fields
+    verbatim, other fields as YAML). A bare ``--key`` (at the end, or followed by another
+    ``--option``) means ``true``, so every boolean takes ``--flag``, ``--flag true`` and ``--flag
+    false`` alike."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -117,11 +305,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         else:
             raw = args[i + 1]
             i += 2
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
-        out[key.replace("-", "_")] = raw if value is None and raw not in ("null", "~", "") else value
+        out[key.replace("-", "_")] = CommandLineValue(raw)
     return out
 
 

@@ -25,6 +25,10 @@ class UnhealthyRunError(RuntimeError):
     pass
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """An optimizer step left NaN or inf in the weights: the run stops before they are saved."""
+
+
 @dataclass
 class HealthMonitor:
     window: int = 5

@@ -1,7 +1,9 @@
 """Optimizer, learning-rate schedule and the optimizer step every trainer uses.
 
 The step is guarded: a non-finite loss or gradient norm skips the update (weights, AdamW moments
-and the schedule stay as they were) and is counted, so no NaN ever reaches the weights.
+and the schedule stay as they were) and is counted. A finite update can still make the weights
+non-finite (an infinite learning rate, an overflow); ``nonfinite_parameters`` counts those, and the
+run stops on them (``Run.optimizer_step``) before a checkpoint is written.
 """
 
 from __future__ import annotations
@@ -73,3 +75,18 @@ def optimizer_step(model, optimizer, scheduler, max_grad_norm: float | None, los
 
 def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
+
+
+def nonfinite_parameters(optimizer) -> tuple[int, int]:
+    """(how many of the tensors ``optimizer`` updates hold a NaN or an inf, how many tensors it
+    updates), on this process: an FSDP2 parameter's local shard, ZeRO's flat partitions. One pass of
+    sums (a NaN or an inf makes its tensor's sum non-finite), one host sync; a non-finite sum is
+    checked element-wise, since a sum of huge finite values can overflow too."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = [t.detach() for t in (p.to_local() if hasattr(p, "to_local") else p for p in params) if t.numel()]
+    if not local:
+        return 0, len(params)
+    device = local[0].device
+    sums = torch.stack([t.sum().float().to(device) for t in local])
+    flagged = torch.nonzero(~torch.isfinite(sums)).flatten().tolist()
+    return sum(not bool(torch.isfinite(local[i]).all()) for i in flagged), len(params)

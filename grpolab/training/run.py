@@ -33,8 +33,9 @@ from ..models import load_model_and_tokenizer
 from ..rollout.vllm import check_vllm_options
 from . import distributed
 from .checkpoints import CheckpointManager, find_resume_checkpoint
+from .health import NonFiniteWeightsError
 from .metric_logging import MetricsLogger, progress
-from .optimization import StepResult, current_lr
+from .optimization import StepResult, current_lr, nonfinite_parameters
 from .run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, PLOT_FILE, SAMPLES_DIR, claim_run_dir, prepare_run_dir
 from .run_model import RunModel, check_distributed
 from .run_setup import autocast_for, build_run_env, load_run_model, resolve_device, seed_everything, set_cpu_threads
@@ -116,6 +117,7 @@ class Run:
         self.train_step = int(counters.get("train_step", 0))
         self.eval_step = int(counters.get("eval_step", 0))
         self.nonfinite_steps = int(counters.get("nonfinite_steps", 0))
+        self._nonfinite_at_start: int | None = None  # parameter tensors holding NaN or inf before the first step
         self._tracked: dict[str, Any] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._interrupts = 0
@@ -205,6 +207,11 @@ class Run:
     def optimizer_step(self, optimizer, scheduler, loss: float | None = None, parameters_of=None) -> StepResult:
         """The guarded optimizer step; a skipped (non-finite) step is counted and reported. Under an
         engine, gradients are reduced over ranks first (DeepSpeed: by its own step)."""
+        if self._nonfinite_at_start is None:  # what the model held before this process's first step
+            self._nonfinite_at_start = self._nonfinite_tensors(optimizer)
+            if self._nonfinite_at_start:
+                self.bar.write(f"grpolab health: the model holds NaN or inf in {self._nonfinite_at_start} parameter "
+                               "tensor(s) before training: every step whose loss they reach is skipped")
         result = self.weights.optimizer_step(parameters_of, optimizer, scheduler, loss)
         if result.skipped:
             self.nonfinite_steps += 1
@@ -213,7 +220,27 @@ class Run:
                 f"finite (loss {loss}, grad norm {result.grad_norm}); {self.nonfinite_steps} skipped so far. "
                 "Lower learning_rate, use float32, or check the rewards and advantage_eps."
             )
+        self._check_weights(optimizer)
         return result
+
+    def _nonfinite_tensors(self, optimizer) -> int:
+        """How many of the tensors ``optimizer`` updates hold a NaN or an inf: the most of any rank
+        (its own shards), so every rank reads the same count."""
+        bad, self._parameter_tensors = nonfinite_parameters(getattr(optimizer, "optimizer", optimizer))
+        if self.dist.enabled:  # a tensor on the run's device: NCCL reduces no CPU tensor
+            bad = int(distributed.all_reduce(torch.tensor(bad, device=self.device), "max"))
+        return bad
+
+    def _check_weights(self, optimizer) -> None:
+        """Stop the run, before a checkpoint or final/ holds them, when the step left a NaN or an inf
+        in weights that had none before the first step. Every rank checks every step, so all ranks
+        stop together even where one skipped a step that another applied."""
+        bad, total = self._nonfinite_tensors(optimizer), self._parameter_tensors
+        if bad > self._nonfinite_at_start:
+            raise NonFiniteWeightsError(
+                f"optimizer step {self.train_step}: {bad} of {total} parameter tensors hold NaN or inf after the "
+                f"update (learning_rate {getattr(self.cfg, 'learning_rate', None)}); stopped before any checkpoint "
+                "of them is written. Lower learning_rate, or use float32.")
 
     def update_record(self, record: dict[str, Any], result: StepResult, optimizer=None) -> dict[str, Any]:
         """One optimizer step's record with its gradient norm, learning rate and the count of

@@ -135,6 +135,8 @@ def test_an_option_that_is_a_config_field_takes_and_refuses_what_that_field_does
     (EvalOptions, {"task_options": ["digits=2"], "data": "questions.jsonl"}, "--task-option applies to a generated"),
     (EvalOptions, {"reward_timeout_s": -1.0}, "--reward-timeout must be at least 0"),
     (EvalOptions, {"rag_top_k": 0}, "--rag-top-k must be at least 1, got 0"),
+    (EvalOptions, {"temperature": float("nan")}, "--temperature: Input should be a finite number (got nan)"),  # CE09
+    (EvalOptions, {"reward_timeout_s": float("inf")}, "--reward-timeout: Input should be a finite number"),
     (EvalOptions, {"reward": "no_such_reward"}, "reward: unknown reward 'no_such_reward'"),
     (CompareOptions, {"steps": 0}, "--steps must be at least 1, got 0"),
     (CompareOptions, {"variants": "grpo", "seeds": 0}, "--seeds must be at least 1, got 0"),
@@ -153,6 +155,9 @@ def test_eval_options_read_the_command_lines_forms():
     opts = EvalOptions.from_cli({**REQUIRED, "stop": None, "task_options": ["digits=2", "wrong=true"],
                                  "reward": "[{fn: r1_zero, weight: 1}]", "rag_corpus": "c.jsonl", "rag_top_k": 2})
     assert opts.stop == ["</answer>"] and opts.task_options == {"digits": 2, "wrong": True}
+    # text as typed, as a training command's --field value: YAML would cut ' #...' and read 'k: v' as a mapping
+    text = EvalOptions.from_cli({**REQUIRED, "task_options": ["prefix=Q #1: a", "names=[a, b]"]}).task_options
+    assert text == {"prefix": "Q #1: a", "names": ["a", "b"]}
     assert opts.reward == [{"fn": "r1_zero", "weight": 1.0}]
     assert opts.retrieval == {"corpus": "c.jsonl", "top_k": 2}
     assert EvalOptions.from_cli({**REQUIRED, "stop": ["", "\n\n"]}).stop == ["\n\n"]  # --stop '' drops the default

@@ -57,11 +57,15 @@ def test_missing_file_and_unknown_override():
 
 
 def test_parse_overrides():
-    # an empty value is null, like "null" and "~"
+    # values are kept as typed and read by their field's type; an empty value is null, like "null" and "~"
     args = ["--seed", "3", "--run-dir=runs/a b", "--betas", "[0.8, 0.9]", "--max-grad-norm", "null", "--task", "",
-            "--model", "embedded:tiny", "--show-progress", "false"]
-    assert parse_overrides(args) == {"seed": 3, "run_dir": "runs/a b", "betas": [0.8, 0.9], "max_grad_norm": None,
-                                     "task": None, "model": "embedded:tiny", "show_progress": False}
+            "--model", "embedded:tiny", "--show-progress", "false", "--train-data", "x.jsonl"]
+    overrides = parse_overrides(args)
+    assert overrides == {"seed": "3", "run_dir": "runs/a b", "betas": "[0.8, 0.9]", "max_grad_norm": "null",
+                         "task": "", "model": "embedded:tiny", "show_progress": "false", "train_data": "x.jsonl"}
+    cfg = RunConfig.build(None, overrides)
+    assert (cfg.seed, cfg.run_dir, cfg.betas, cfg.max_grad_norm, cfg.task, cfg.show_progress) == \
+        (3, "runs/a b", (0.8, 0.9), None, None, False)
     with pytest.raises(ConfigError, match="unexpected argument 'seed'"):
         parse_overrides(["seed", "3"])
     with pytest.raises(ConfigError, match="--seed needs a value"):  # a bare --key is true only for a boolean
