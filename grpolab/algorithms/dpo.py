@@ -15,13 +15,14 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..core import compute_dpo_loss
-from ..data import PreferencePair, is_conversation, render_chat
-from ..models import sum_response_log_probs
+from ..core import build_sequences, compute_dpo_loss, pad_token_id
+from ..data import PreferencePair, TemplateError, is_conversation, render_chat
+from ..models import response_log_probs, sum_response_log_probs
 from ..training import distributed
 from ..training.batching import ExampleSampler
-from ..training.inputs import load_preference_inputs
+from ..training.inputs import fitting_indices, load_preference_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.resources import context_length
 from ..training.run import Run, TrainResult
 from ..training.run_config import RunConfig
 from ..training.run_model import frozen_copy
@@ -72,18 +73,68 @@ class DPOConfig(RunConfig):
     run_dir: str = "runs/dpo"
 
 
-def _batch_logps(lm, tokenizer, pairs: list[PreferencePair], alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) response log-prob sums of a batch of pairs, in one forward."""
-    def fmt(prompt):  # a conversation is rendered by the chat template; text as given (or in Alpaca's)
-        if is_conversation(prompt):
-            return render_chat(tokenizer, prompt, add_generation_prompt=True)
-        return ALPACA_TEMPLATE.format(instruction=prompt) if alpaca else prompt
+def _prompt_text(tokenizer, pair: PreferencePair, alpaca: bool) -> str:
+    """A conversation rendered by the chat template (an error names the pair's file:line); text as
+    given, or in Alpaca's template."""
+    if is_conversation(pair.prompt):
+        try:
+            return render_chat(tokenizer, pair.prompt, add_generation_prompt=True)
+        except TemplateError as exc:
+            raise TemplateError(f"{pair.source}: {exc}" if pair.source else str(exc)) from None
+    return ALPACA_TEMPLATE.format(instruction=pair.prompt) if alpaca else pair.prompt
 
+
+def pair_token_ids(tokenizer, pairs: list[PreferencePair], alpaca: bool
+                   ) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, chosen ids, rejected ids) of each pair: the prompt rendered (``_prompt_text``),
+    each response with the eos text, tokenised separately (as ``sum_response_log_probs`` does)."""
+    if not pairs:
+        return []
     eos = tokenizer.eos_token or ""
-    prompts = [fmt(p.prompt) for p in pairs] * 2
-    responses = [p.chosen + eos for p in pairs] + [p.rejected + eos for p in pairs]
-    sums, _ = sum_response_log_probs(lm, tokenizer, prompts, responses)
+
+    def ids(texts):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    prompts = ids([_prompt_text(tokenizer, p, alpaca) for p in pairs])
+    return list(zip(prompts, ids([p.chosen + eos for p in pairs]), ids([p.rejected + eos for p in pairs])))
+
+
+def _batch_logps(lm, tokenizer, pairs: list, alpaca: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) response log-prob sums of a batch of pairs, in one forward. ``pairs``:
+    ``PreferencePair``s, or their ``pair_token_ids`` (what ``train_dpo`` tokenised before the run)."""
+    if pairs and isinstance(pairs[0], PreferencePair):
+        pairs = pair_token_ids(tokenizer, pairs, alpaca)
+    prompts = [p for p, _, _ in pairs] * 2
+    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    batch = build_sequences(prompts, responses, pad_token_id(tokenizer))
+    device = next(lm.parameters()).device
+    mask = batch["response_mask"].to(device)
+    lp = response_log_probs(lm, batch["input_ids"].to(device), batch["labels"].to(device))["log_probs"]
+    sums = (lp * mask).sum(-1)
     return sums[: len(pairs)], sums[len(pairs):]
+
+
+def dpo_check(train: list[PreferencePair], held: list[PreferencePair], cfg: DPOConfig):
+    """(``check_inputs`` for the Run, ``checked``): before the run directory is touched, every pair
+    is rendered and tokenised, and prompt + the longer response fits the model's context (else
+    one line naming its file:line, or skipped with ``data_on_error: skip``); ``checked`` then holds
+    the ``pair_token_ids`` of the pairs kept, ``train`` and ``held``, tokenised once."""
+    checked = {}
+
+    def check(model, tokenizer, device) -> None:
+        if tokenizer.eos_token is None:  # a response must end: the model learns to stop where the pair does
+            raise ValueError("DPO ends each response with the tokenizer's eos token, and this tokenizer has none "
+                             "(set eos_token in its tokenizer_config.json)")
+        limit = context_length(model)
+        for name, pairs in (("train", train), ("held", held)):
+            ids = pair_token_ids(tokenizer, pairs, cfg.use_alpaca_template)
+            sizes = [(len(p) + max(len(c), len(r)), f"prompt {len(p)} + the longer response {max(len(c), len(r))}")
+                     for p, c, r in ids]
+            kept = fitting_indices(sizes, [pair.source for pair in pairs], limit, cfg.data_on_error,
+                                   "preference pair")
+            checked[name] = [ids[i] for i in kept]
+
+    return check, checked
 
 
 @torch.no_grad()
@@ -129,11 +180,13 @@ def dpo_gradient(model, ref, tokenizer, pairs: list[PreferencePair], cfg: DPOCon
 
 def train_dpo(cfg: DPOConfig, *, model=None, tokenizer=None, ref_model=None, resume: bool = False,
               overwrite: bool = False) -> TrainResult:
-    train, held = load_preference_inputs(cfg, tokenizer)
+    train, held = load_preference_inputs(cfg, tokenizer, render_prompts=True)
     if not train:
         raise ValueError("no training pairs")
-    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer) as run:
+    check, checked = dpo_check(train, held, cfg)
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer, check_inputs=check) as run:
         model, tokenizer = run.model, run.tokenizer
+        train, held = checked["train"], checked["held"]  # tokenised by the check
         ref = run.track("reference_model",
                         (frozen_copy(ref_model) if ref_model is not None else frozen_copy(model)).to(run.device))
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))

@@ -21,14 +21,15 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..core import compute_bradley_terry_loss
+from ..core import compute_bradley_terry_loss, pad_token_id
 from ..data import PreferencePair
 from ..models.classifier import load_sequence_classifier
 from ..rewards import reward_model_text
 from ..training import distributed
 from ..training.batching import ExampleSampler
-from ..training.inputs import load_preference_inputs
+from ..training.inputs import fitting_indices, load_preference_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.resources import context_length
 from ..training.run import Run, TrainResult
 from ..training.run_config import RunConfig
 
@@ -67,17 +68,58 @@ def _load(path: str, seed: int = 0, trust_remote_code: bool = False, gradient_ch
     return load_sequence_classifier(path, seed=seed, trust_remote_code=trust_remote_code)
 
 
-def pair_rewards(
-    model, tokenizer, pairs: list[PreferencePair], cfg: RMConfig, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) scores of a batch of pairs, in one forward over both texts of every pair."""
-    texts = [reward_model_text(tokenizer, p.prompt, p.chosen, chat_template=cfg.chat_template) for p in pairs]
-    texts += [reward_model_text(tokenizer, p.prompt, p.rejected, chat_template=cfg.chat_template) for p in pairs]
-    tokenizer.truncation_side = "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=cfg.max_length,
-                    add_special_tokens=False).to(device)
-    scores = model(**enc).logits[:, 0].float()
+def pair_token_ids(tokenizer, pairs: list[PreferencePair], cfg: RMConfig) -> list[tuple[list[int], list[int]]]:
+    """(chosen ids, rejected ids) of each pair, untruncated: the texts ``reward: {model: ...}``
+    scores (``rewards.reward_model_text``, with a task pair's raw question as the user message
+    under ``chat_template``, as scoring passes it)."""
+    if not pairs:
+        return []
+    tokenizer.truncation_side = "left"  # saved with final/: a plain tokenizer(...) call truncates as training did
+
+    def ids(field: str) -> list[list[int]]:
+        texts = [reward_model_text(tokenizer, p.prompt, getattr(p, field), p.question, cfg.chat_template)
+                 for p in pairs]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    return list(zip(ids("chosen"), ids("rejected")))
+
+
+def _padded(rows: list[list[int]], tokenizer, device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``rows`` padded on the tokenizer's padding side."""
+    width, pad, left = max(map(len, rows)), pad_token_id(tokenizer), tokenizer.padding_side == "left"
+    ids = [[pad] * (width - len(r)) + r if left else r + [pad] * (width - len(r)) for r in rows]
+    mask = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
+    return {"input_ids": torch.tensor(ids, device=device), "attention_mask": torch.tensor(mask, device=device)}
+
+
+def pair_rewards(model, tokenizer, pairs: list, cfg: RMConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores of a batch of pairs, in one forward over both texts of every pair;
+    each text truncated from the left to ``max_length`` tokens. ``pairs``: ``PreferencePair``s, or
+    their ``pair_token_ids`` (what ``train_rm`` tokenised before the run)."""
+    if pairs and isinstance(pairs[0], PreferencePair):
+        pairs = pair_token_ids(tokenizer, pairs, cfg)
+    rows = [list(c[-cfg.max_length:]) for c, _ in pairs] + [list(r[-cfg.max_length:]) for _, r in pairs]
+    scores = model(**_padded(rows, tokenizer, device)).logits[:, 0].float()
     return scores[: len(pairs)], scores[len(pairs):]
+
+
+def rm_check(train: list[PreferencePair], held: list[PreferencePair], cfg: RMConfig):
+    """(``check_inputs`` for the Run, ``checked``): before the run directory is touched, both texts
+    of every pair are rendered and tokenised, and the longer one, truncated to ``max_length``, fits
+    the model's context (else one line naming its file:line, or skipped with ``data_on_error:
+    skip``); ``checked`` then holds the ``pair_token_ids`` kept, ``train`` and ``held``."""
+    checked = {}
+
+    def check(model, tokenizer, device) -> None:
+        limit = context_length(model)
+        for name, pairs in (("train", train), ("held", held)):
+            ids = pair_token_ids(tokenizer, pairs, cfg)
+            sizes = [(min(max(len(c), len(r)), cfg.max_length),
+                      f"chosen {len(c)}, rejected {len(r)}, truncated to max_length {cfg.max_length}") for c, r in ids]
+            kept = fitting_indices(sizes, [pair.source for pair in pairs], limit, cfg.data_on_error, "preference pair")
+            checked[name] = [ids[i] for i in kept]
+
+    return check, checked
 
 
 @torch.no_grad()
@@ -122,8 +164,11 @@ def train_rm(
     train, held = load_preference_inputs(cfg, tokenizer)
     if not train:
         raise ValueError("no training pairs")
-    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer, load_model=_load) as run:
+    check, checked = rm_check(train, held, cfg)
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer, load_model=_load,
+             check_inputs=check) as run:
         model, tokenizer = run.model, run.tokenizer
+        train, held = checked["train"], checked["held"]  # tokenised by the check
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_rm_steps), cfg.n_rm_steps, cfg.lr_schedule))

@@ -22,15 +22,16 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core import pad_token_id
-from ..data import SFTPair, conversation_segments
+from ..data import SFTPair, TemplateError, conversation_segments
+from ..data.prompts.chat import check_system_prompt_fits
 from ..envs import EnvBackend, replay_demonstrations
 from ..rewards import RewardScorer
 from ..rollout import make_backend
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
-from ..training.inputs import load_sft_inputs
+from ..training.inputs import fitting_indices, load_sft_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
-from ..training.resources import check_sampled_inputs
+from ..training.resources import check_sampled_inputs, context_length
 from ..training.run import Run, TrainResult, validation
 from ..training.run_config import EnvOptions
 from ..training.sampled_run_config import SampledRunConfig
@@ -101,14 +102,29 @@ def sft_pairs(cfg: SFTConfig, tokenizer=None):
     return pairs, inputs
 
 
-def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool = False
+def response_eos_id(tokenizer, model=None) -> int:
+    """The id that ends a response: the tokenizer's eos, else the first of the model's
+    ``generation_config.eos_token_id``; neither is a one-line error (a response without an end
+    token teaches the model never to stop)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if not isinstance(eos, int):
+        raise ValueError("append_eos: the tokenizer has no eos token and the model's generation_config names none, so "
+                         "responses would end with no end token: set the tokenizer's eos_token, or append_eos: false")
+    return eos
+
+
+def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool = False, eos_id: int | None = None
                    ) -> list[tuple[list[int], list[int], list[bool] | None]]:
     """(prompt ids, response ids, loss mask) of each pair, prompt and response tokenised separately
-    (CS336). With ``append_eos`` the tokenizer's eos id ends every response whose ids do not end
-    with it already. The mask is None (every response token) unless ``env`` replays tool calls
-    (False on the observations) or the pair is a conversation (``messages``: only the assistant
-    turns and their end-of-turn tokens are trained, as TRL's ``assistant_only_loss``)."""
-    eos = tokenizer.eos_token_id if append_eos else None
+    (CS336). With ``append_eos`` the eos id (``eos_id``, else ``response_eos_id``) ends every
+    response whose ids do not end with it already. The mask is None (every response token) unless
+    ``env`` replays tool calls (False on the observations) or the pair is a conversation
+    (``messages``: only the assistant turns and their end-of-turn tokens are trained, as TRL's
+    ``assistant_only_loss``)."""
+    eos = (eos_id if eos_id is not None else response_eos_id(tokenizer)) if append_eos else None
     if env is not None:
         demos = replay_demonstrations(env, tokenizer, [p.prompt for p in pairs], [p.response for p in pairs])
         return [_ended(d.prompt_ids, d.response_ids, d.loss_mask, eos) for d in demos]
@@ -121,7 +137,10 @@ def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool =
         if i in by_index:
             out.append(_ended(*by_index[i], None, eos))
             continue
-        prompt, pieces = conversation_segments(tokenizer, pair.messages)
+        try:
+            prompt, pieces = conversation_segments(tokenizer, pair.messages)
+        except TemplateError as exc:
+            raise TemplateError(f"{pair.source}: {exc}" if pair.source else str(exc)) from None
         ids, mask = [], []
         for text, trained in pieces:
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -141,6 +160,34 @@ def _ended(prompt_ids, response_ids, mask, eos):
     return list(prompt_ids), response_ids, mask
 
 
+def fitting_sequences(pairs: list[SFTPair], sequences: list, limit: int | None, on_error: str) -> tuple[list, list]:
+    """(pairs, sequences) of the sequences that fit the context (``inputs.fitting_indices``)."""
+    sizes = [(len(p) + len(r), f"prompt {len(p)} + response {len(r)}") for p, r, _ in sequences]
+    kept = fitting_indices(sizes, [pair.source for pair in pairs], limit, on_error, "SFT sequence")
+    return [pairs[i] for i in kept], [sequences[i] for i in kept]
+
+
+def sft_check(pairs: list[SFTPair], inputs, cfg: SFTConfig):
+    """(``check_inputs`` for the Run, ``checked``): before the run directory is touched, the system
+    prompt and the validation prompts fit the context (GRPO's checks), and every pair is rendered
+    and tokenised and its sequence fits the context. ``checked`` then holds the pairs kept, their
+    sequences (tokenised once, here) and the eos id. Tool demonstrations are replayed through the
+    live tools, which the Run builds after this check: those are tokenised and checked in the run."""
+    sampled, checked = check_sampled_inputs(inputs, cfg, check_train=False), {}
+
+    def check(model, tokenizer, device) -> None:
+        limit = context_length(model)
+        check_system_prompt_fits(inputs.template, tokenizer, limit, cfg.sampling_max_tokens if inputs.evals else 0,
+                                 "sampling_max_tokens")
+        sampled(model, tokenizer, device)
+        checked["eos"] = response_eos_id(tokenizer, model) if cfg.append_eos else None
+        if cfg.env is None:
+            sequences = tokenize_pairs(pairs, tokenizer, append_eos=cfg.append_eos, eos_id=checked["eos"])
+            checked["pairs"], checked["sequences"] = fitting_sequences(pairs, sequences, limit, cfg.data_on_error)
+
+    return check, checked
+
+
 def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = False, overwrite: bool = False,
               pairs: list[SFTPair] | None = None) -> TrainResult:
     """Run SFT as configured; ``model``/``tokenizer`` override ``cfg.model``, and ``pairs`` the
@@ -152,11 +199,17 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         pairs, inputs = list(pairs), load_sft_inputs(cfg, tokenizer)[1]
     if not pairs:
         raise ValueError("no SFT pairs to train on")
-    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer,
-             check_inputs=check_sampled_inputs(inputs, cfg, check_train=False)) as run:
+    check, checked = sft_check(pairs, inputs, cfg)
+    with Run(cfg, resume=resume, overwrite=overwrite, model=model, tokenizer=tokenizer, check_inputs=check) as run:
         model, tokenizer = run.model, run.tokenizer
         env = run.env  # built by Run before the run directory was touched
-        sequences, pad_id = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos), pad_token_id(tokenizer)
+        if env is not None:  # tool demonstrations: replayed through the live tools now
+            sequences = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos, checked["eos"])
+            pairs, sequences = fitting_sequences(pairs, sequences, context_length(run.sampling_model),
+                                                 cfg.data_on_error)
+        else:
+            pairs, sequences = checked["pairs"], checked["sequences"]
+        pad_id = pad_token_id(tokenizer)
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         scheduler = run.track("scheduler", make_scheduler(
             optimizer, effective_warmup(cfg.warmup_steps, cfg.n_sft_steps), cfg.n_sft_steps, cfg.lr_schedule))

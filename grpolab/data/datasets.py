@@ -56,6 +56,9 @@ class PreferencePair:
     chosen: str
     rejected: str
     source: str | None = None  # "path:line" when read from a file
+    # the raw question behind a formatted ``prompt`` (task pairs): what a reward model with
+    # ``chat_template: true`` reads as the user message, in training as in scoring
+    question: str | list[dict] | None = None
 
 
 class Loaded(list):
@@ -115,9 +118,21 @@ def conversation(value: Any, name: str) -> list[dict]:
 
 
 def text_or_conversation(obj: Any, name: str) -> str | list[dict]:
-    """A field holding text or a conversation (TRL's conversational format)."""
+    """A field holding text or a conversation (TRL's conversational format); a conversation
+    prompt needs a user message (a system message alone asks nothing)."""
     value = require_field(obj, name)
-    return conversation(value, name) if isinstance(value, list) else str(value)
+    if isinstance(value, dict):
+        raise KeyError(f"field {name!r} is one message object; a conversation is a list of them: "
+                       '[{"role": ..., "content": ...}]')
+    return prompt_conversation(value, name) if isinstance(value, list) else str(value)
+
+
+def prompt_conversation(value: Any, name: str) -> list[dict]:
+    """``conversation(value, name)`` that has a user message to answer."""
+    messages = conversation(value, name)
+    if not any(m["role"] == "user" for m in messages):
+        raise KeyError(f"field {name!r} has no user message")
+    return messages
 
 
 def assistant_text(obj: Any, name: str) -> str:
@@ -129,6 +144,8 @@ def assistant_text(obj: Any, name: str) -> str:
     turns = [m["content"] for m in conversation(value, name) if m["role"] == "assistant"]
     if not turns:
         raise KeyError(f"field {name!r} has no assistant message")
+    if not "".join(turns).strip():
+        raise KeyError(f"empty field {name!r} (its assistant messages are blank)")
     return "".join(turns)
 
 
@@ -204,7 +221,23 @@ def load_jsonl(
             question = text_or_conversation(obj, question_field)
         return Example(question, require_field(obj, answer_field), solution)
 
-    return read_jsonl_records(path, convert, on_error)
+    examples = read_jsonl_records(path, convert, on_error)
+    warn_mixed_questions(path, examples)
+    return examples
+
+
+def warn_mixed_questions(path: str | Path, examples: list[Example]) -> None:
+    """One warning when a file holds both text questions and conversations. Each is rendered as
+    TRL renders a row (a conversation by the chat template as it is, text by the prompt template),
+    so under the default template only the text ones get its instruction and prefill."""
+    text = next((e for e in examples if isinstance(e.question, str)), None)
+    convo = next((e for e in examples if isinstance(e.question, list)), None)
+    if text is not None and convo is not None:
+        lines = [e.meta.get("source", "?").rsplit(":", 1)[-1] for e in (text, convo)]
+        warnings.warn(f"{path}: mixes text questions (first at line {lines[0]}) and conversations (first at line "
+                      f"{lines[1]}): a text question is formatted by the prompt template, a conversation is rendered "
+                      "as it is unless prompt_template names a preset; use one kind for prompts of one form",
+                      stacklevel=3)
 
 
 def gsm8k_final_answer(solution: str) -> str:
@@ -271,6 +304,10 @@ def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_fiel
             messages = conversation(require_field(obj, "messages"), "messages")
             if not any(m["role"] == "assistant" for m in messages):
                 raise KeyError("field 'messages' has no assistant message to imitate")
+            blank = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()),
+                         None)
+            if blank is not None:
+                raise KeyError(f"field 'messages': message {blank} is an empty assistant turn (nothing to imitate)")
             first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
             return SFTPair(messages[:first], None, gt, messages=messages)
         response = response_field if not (isinstance(obj, dict) and response_field not in obj and "completion" in obj) \
@@ -326,7 +363,7 @@ def load_hf_dataset(
             elif answer_format == "math_boxed":
                 a = last_boxed_answer(str(a))
             if isinstance(q, list):
-                q = conversation(q, question_field)
+                q = prompt_conversation(q, question_field)
         except (KeyError, ValueError) as exc:
             raise DataError(f"{where}: {exc.args[0]}") from None
         out.append(Example(q if isinstance(q, list) else str(q), a, meta={"source": where}))

@@ -25,7 +25,7 @@ from ..data import (
     load_template,
 )
 from ..envs import retrieval_template
-from ..models import EMBEDDED_PREFIX, load_tokenizer
+from ..models import EMBEDDED_PREFIX, load_tokenizer, model_directory
 from ..rewards import build_reward, has_reward_model, lenient_reward, reward_reads_tags
 
 
@@ -48,9 +48,12 @@ def data_options(cfg) -> dict:
 
 def tokenizer_for_prompts(model: str, tokenizer=None, trust_remote_code: bool = False):
     """The tokenizer whose chat template renders prompts: the one given, else the model
-    directory's (cheap: no weights); the embedded models' character tokenizer has none."""
-    if tokenizer is not None or model.startswith(EMBEDDED_PREFIX):
+    directory's (cheap: no weights); the embedded models' character tokenizer has none, which
+    ``chat``/``chat_r1`` then say as they do for any such tokenizer."""
+    if tokenizer is not None:
         return tokenizer
+    if not model.startswith(EMBEDDED_PREFIX):
+        model_directory(model)  # not a model directory: said as the model loaders say it, not as a tokenizer's failure
     return load_tokenizer(model, trust_remote_code=trust_remote_code)
 
 
@@ -117,7 +120,7 @@ def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", pro
     """``task:NAME`` (an embedded task's ``split``), ``rg:NAME`` (a reasoning-gym generator's) or a data
     file -> (examples[:n], template, reward)."""
     name = source[5:] if source.startswith("task:") else source if source.startswith("rg:") else None
-    task = get_task(name, seed=seed, **(task_options or {})) if name is not None else None
+    task = get_task(name, seed=seed, options=task_options) if name is not None else None
     examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
     return (examples, *template_and_reward(task, prompt_template, reward, retrieval, tokenizer=tokenizer,
                                            system_prompt=system_prompt))
@@ -126,7 +129,7 @@ def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", pro
 def load_inputs(cfg, tokenizer=None) -> Inputs:
     """The examples, template and reward of a config with the shared data fields; ``tokenizer``
     (else the model directory's) renders chat prompts."""
-    task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options) if cfg.task is not None else None
+    task = get_task(cfg.task, seed=cfg.seed, options=cfg.task_options) if cfg.task is not None else None
     train = (task.examples("train", cfg.task_train_size)
              if task is not None
              else load_examples(cfg.train_data, **data_options(cfg)))
@@ -147,6 +150,31 @@ def prompt_options(cfg, tokenizer=None) -> dict:
     """``tokenizer`` and ``system_prompt`` keywords of ``prompt_template_for`` for a config."""
     return {"tokenizer": tokenizer_for_prompts(cfg.model, tokenizer, cfg.trust_remote_code),
             "system_prompt": cfg.system_prompt}
+
+
+def fitting_indices(sizes: list[tuple[int, str]], sources: list, limit: int | None, on_error: str,
+                    what: str) -> list[int]:
+    """The indices of the sequences (``sizes``: each one's token count and how it is made up, e.g.
+    ``"prompt 12 + response 30"``) that fit a context of ``limit`` tokens. A longer one is an error
+    naming where it came from (``file:line``) and its lengths, or — with ``data_on_error: skip`` —
+    dropped, counted and reported once on stderr (as GRPO's prompts)."""
+    if limit is None:
+        return list(range(len(sizes)))
+    kept, dropped = [], []
+    for i, ((n, parts), where) in enumerate(zip(sizes, sources)):
+        if n <= limit:
+            kept.append(i)
+            continue
+        dropped.append(f"{where or f'{what} {i}'}: the {what} is {n} tokens ({parts}), past the model's context of "
+                       f"{limit} tokens")
+        if on_error != "skip":
+            raise DataError(dropped[0] + " (shorten it, or set data_on_error: skip)")
+    if dropped and not kept:
+        raise DataError(f"no {what} fits the model's context of {limit} tokens: {dropped[0]}")
+    if dropped:
+        print(f"grpolab: skipped {len(dropped)} {what}(s) that do not fit the context; first: {dropped[0]}",
+              file=sys.stderr)
+    return kept
 
 
 def looks_like_sft_pairs(path: str) -> bool:
@@ -177,14 +205,32 @@ def load_sft_inputs(cfg, tokenizer=None) -> tuple[list[SFTPair], Inputs]:
         inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward, cfg.retrieval,
                                                            **options))
         for p in pairs:
-            if p.messages is None and (cfg.prompt_template is not None or not isinstance(p.prompt, str)):
+            if p.messages is not None:
+                p.messages = sft_conversation(p, inputs.template, named=cfg.prompt_template is not None)
+                p.prompt = p.messages[: next(i for i, m in enumerate(p.messages) if m["role"] == "assistant")]
+            elif cfg.prompt_template is not None or not isinstance(p.prompt, str):
                 p.prompt = inputs.template.format(p.prompt)
         return pairs, inputs
     inputs = load_inputs(cfg, tokenizer)
     missing = [i for i, e in enumerate(inputs.train) if not e.solution]
     if missing:
         raise DataError(f"{cfg.train_data or cfg.task}: example {missing[0]} has no worked solution to imitate")
-    return [SFTPair(inputs.template.format(e.question), e.solution, e.answer) for e in inputs.train], inputs
+    return [SFTPair(inputs.template.format(e.question), e.solution, e.answer, source=e.meta.get("source"))
+            for e in inputs.train], inputs
+
+
+def sft_conversation(pair: SFTPair, template, named: bool) -> list[dict]:
+    """A ``{messages}`` pair's conversation as the run renders its prompts: the system prompt put
+    first unless it has its own (as for every conversation). A preset named in the config that
+    writes into the exchange (``chat_r1``: an instruction around the question, ``<think>`` opening
+    the answer) is refused: a conversation is trained as it is (TRL's way), and which of its turns
+    the instruction and the prefill would go into has no one answer."""
+    if named and getattr(template, "adds_to_questions", False):
+        raise DataError(f"{pair.source}: prompt_template {template.name!r} wraps a question in its instruction and "
+                        "opens the answer with its prefill, but a {messages} conversation is trained as it is: "
+                        "leave prompt_template unset (or chat), or give {prompt, completion} pairs")
+    with_system = getattr(template, "with_system", None)
+    return with_system(pair.messages) if with_system is not None else pair.messages
 
 
 def task_preference_pairs(
@@ -192,26 +238,51 @@ def task_preference_pairs(
 ) -> list[PreferencePair]:
     """(prompt, a correct worked solution, the same solution with a wrong final answer) for ``n``
     questions of an embedded task's split."""
-    task = get_task(task_name, seed=seed, **{**options, "wrong_fraction": 0.0})
+    task = get_task(task_name, seed=seed, options={**options, "wrong_fraction": 0.0})
     rng = random.Random(f"pairs:{seed}:{split}")
-    return [PreferencePair(template.format(e.question), e.solution, task.wrong_solution(e, rng))
+    return [PreferencePair(template.format(e.question), e.solution, task.wrong_solution(e, rng),
+                           source=e.meta.get("source"), question=e.question)
             for e in task.examples(split, n)]
 
 
-def load_preference_inputs(cfg, tokenizer=None) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def templated_preference_prompts(cfg, pairs: list[PreferencePair], tokenizer=None) -> list[PreferencePair]:
+    """A preference file's prompts as the run renders every other prompt, when ``prompt_template``
+    or ``system_prompt`` is set: through the run's template (``chat`` when only a system prompt is
+    given; a conversation gets the system prompt first unless it has its own). Neither set: as
+    given (DPO renders a conversation with the chat template when the pair is scored)."""
+    if cfg.prompt_template is None and cfg.system_prompt is None:
+        return pairs
+    if getattr(cfg, "use_alpaca_template", False):
+        raise TemplateError("use_alpaca_template and prompt_template/system_prompt are two prompt formats; choose one")
+    template = prompt_template_for(None, cfg.prompt_template or "chat", cfg.retrieval, **prompt_options(cfg, tokenizer))
+    for pair in pairs:
+        try:
+            pair.prompt = template.format(pair.prompt)
+        except TemplateError as exc:
+            raise TemplateError(f"{pair.source}: {exc}" if pair.source else str(exc)) from None
+    return pairs
+
+
+def load_preference_inputs(cfg, tokenizer=None, render_prompts: bool = False
+                           ) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """DPO's (training pairs, held-out pairs): from an embedded task, or a preference JSONL with a
     held-out file or a seeded 10 % split (a conversational prompt is rendered by the chat
-    template when the pair is scored)."""
+    template when the pair is scored; ``render_prompts``: a file's prompts through the run's
+    template, ``templated_preference_prompts``)."""
     if cfg.task is not None:
-        task = get_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        task = get_task(cfg.task, seed=cfg.seed, options=cfg.task_options)
         template = prompt_template_for(task, cfg.prompt_template, cfg.retrieval, **prompt_options(cfg, tokenizer))
         train = task_preference_pairs(cfg.task, "train", cfg.task_train_size, cfg.seed, cfg.task_options, template)
         held = task_preference_pairs(cfg.task, "validation", cfg.eval_pairs, cfg.seed, cfg.task_options, template)
         return train, held
     pairs = list(load_preferences(cfg.train_data))
     if cfg.eval_data:
-        return pairs, list(load_preferences(cfg.eval_data))[: cfg.eval_pairs]
-    rng = random.Random(cfg.seed)
-    rng.shuffle(pairs)
-    n_held = max(1, len(pairs) // 10)
-    return pairs[n_held:], pairs[:n_held][: cfg.eval_pairs]
+        train, held = pairs, list(load_preferences(cfg.eval_data))[: cfg.eval_pairs]
+    else:
+        rng = random.Random(cfg.seed)
+        rng.shuffle(pairs)
+        n_held = max(1, len(pairs) // 10)
+        train, held = pairs[n_held:], pairs[:n_held][: cfg.eval_pairs]
+    if render_prompts:
+        train, held = (templated_preference_prompts(cfg, part, tokenizer) for part in (train, held))
+    return train, held

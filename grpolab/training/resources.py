@@ -11,7 +11,9 @@ import sys
 import torch
 
 from ..data import DataError
+from ..data.prompts.chat import check_system_prompt_fits
 from ..envs import EnvSettings
+from ..rewards.reward_model import load_reward_models
 
 
 def context_length(model) -> int | None:
@@ -104,8 +106,9 @@ def check_rollout_memory(
 
 def check_sampled_inputs(inputs, cfg, check_train: bool = True):
     """The ``Run`` hook of a trainer that samples: prompts fit the context (training and
-    validation examples; too-long ones are an error, or skipped with ``data_on_error: skip``) and
-    the rollout batch fits memory. Returns ``check(model, tokenizer, device)``."""
+    validation examples; too-long ones are an error, or skipped with ``data_on_error: skip``), the
+    reward models load (``load_reward_models``) and the rollout batch fits memory. Returns
+    ``check(model, tokenizer, device)``."""
 
     def check(model, tokenizer, device) -> None:
         limit, longest = context_length(model), 0
@@ -115,6 +118,8 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
         if limit is not None and env_tokens is not None and env_tokens >= limit:  # tools: prompt + turns must fit too
             raise DataError(f"env.max_total_tokens ({env_tokens}) must be below the model's context of {limit} tokens "
                             "(the prompt, the model's turns and the observations share it)")
+        if check_train:  # a system prompt too long for any question is named, not data line 1 (SFT checks its own)
+            check_system_prompt_fits(inputs.template, tokenizer, limit, cfg.sampling_max_tokens, "sampling_max_tokens")
         for name in ("train", "evals") if check_train else ("evals",):
             examples = getattr(inputs, name)
             lengths = prompt_lengths(examples, inputs.template, tokenizer)  # tokenised once for both checks
@@ -122,6 +127,8 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
                                                        cfg.sampling_max_tokens, cfg.data_on_error, lengths))
             fitting = [n for n in lengths if limit is None or n + cfg.sampling_max_tokens <= limit]
             longest = max([longest, *fitting])
+        # the reward models, opened now (before the run directory is touched) and kept for scoring
+        load_reward_models(inputs.reward, getattr(inputs, "eval_reward", None), device=device)
         if longest:
             check_rollout_memory(model, device, cfg.rollout_max_batch_size, longest, cfg.sampling_max_tokens)
 

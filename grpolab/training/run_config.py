@@ -55,7 +55,9 @@ class RunConfig(BaseConfig):
     tokenizer's chat template where it has one (chat_r1 for a reward reading <answer> tags, else chat), else
     the task's own, else r1_zero (CS336)."""
     system_prompt: str | None = None
-    """Chat templates: a system message (its text, or a file's path); null: none."""
+    """Chat templates: a system message (its text, or a file's path: a value that looks like a path but
+    is no readable file is refused), put first in every prompt and conversation that has none of its
+    own (SFT and DPO data files too); null: none."""
     retrieval: RetrievalOptions = None
     """Retrieval-augmented prompts: a template's {context} gets the top BM25 passages of a corpus for each
     question, e.g. {corpus: corpus.jsonl, top_k: 2, max_chars: 200, cache_dir: runs/bm25, text_field: text}."""

@@ -48,11 +48,37 @@ CHAT_PRESETS = {
 
 
 def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+    """Whether ``tokenizer`` has a chat template; a model directory whose ``chat_template.jinja``
+    is there but cannot be read as one (a directory) is a TemplateError naming it, not a quiet no."""
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    where = getattr(tokenizer, "name_or_path", None)
+    candidate = Path(where) / "chat_template.jinja" if where and Path(where).is_dir() else None
+    if candidate is not None and candidate.exists() and not candidate.is_file():
+        raise TemplateError(f"{candidate}: is not a file, so the tokenizer has no chat template; make it the "
+                            "template's text (Jinja) or remove it")
+    return False
+
+
+PATH_SUFFIXES = (".txt", ".md", ".jinja", ".j2", ".prompt", ".text", ".tmpl")
+
+
+def looks_like_path(value: str) -> bool:
+    """Meant as a file: an existing directory, a one-word value with a ``/`` or a file suffix, or a
+    value with both (``my prompts/system.txt``). Prose with a slash (``answer in km/h``) is text."""
+    if "\n" in value or len(value) >= 4096:
+        return False
+    if Path(value).is_dir():
+        return True
+    slash, suffix = "/" in value, value.lower().endswith(PATH_SUFFIXES)
+    one_word = not any(c.isspace() for c in value)
+    return (slash and suffix) or (one_word and (slash or suffix))
 
 
 def read_system_prompt(value: str | None) -> str | None:
-    """A system prompt given as text, or as the path of a UTF-8 file (read verbatim)."""
+    """A system prompt given as text, or as the path of a UTF-8 file (read verbatim). A value that
+    looks like a path (``looks_like_path``) but is no readable file is a TemplateError: a typo
+    must not become the system message."""
     if value is None:
         return None
     path = Path(value)
@@ -61,6 +87,12 @@ def read_system_prompt(value: str | None) -> str | None:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise TemplateError(f"{path}: system prompt file is not valid UTF-8 (byte {exc.start})") from None
+        except OSError as exc:
+            raise TemplateError(f"{path}: system prompt file cannot be read ({exc.strerror})") from None
+    if looks_like_path(value):
+        what = "is a directory" if path.is_dir() else "no such file"
+        raise TemplateError(f"system_prompt {value!r} looks like a file path but {what}; give an existing UTF-8 file, "
+                            "or the prompt's text (with spaces)")
     return value
 
 
@@ -84,6 +116,9 @@ class ChatTemplate:
         self.name, self.tokenizer = preset, tokenizer
         self.preset = CHAT_PRESETS[preset]
         self.system_prompt = read_system_prompt(system_prompt)
+        # where the system prompt came from, for errors: its file, or None (given as text)
+        self.system_prompt_file = system_prompt if system_prompt is not None and self.system_prompt != system_prompt \
+            else None
         self.lenient_format = self.preset.lenient_format
         # a conversation (TRL's conversational data) carries its own instructions: rendered as it is
         # unless the preset was asked for by name (prompt_template given)
@@ -104,9 +139,18 @@ class ChatTemplate:
         if users and self._wraps(question) and self.preset.instruction != "{question}":
             i = users[-1]
             msgs[i]["content"] = self.preset.instruction.replace("{question}", str(msgs[i]["content"]))
-        if self.system_prompt is not None and not any(m["role"] == "system" for m in msgs):
-            msgs.insert(0, {"role": "system", "content": self.system_prompt})
-        return msgs
+        return self.with_system(msgs)
+
+    def with_system(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with the system prompt first, unless there is none or they have their own."""
+        if self.system_prompt is None or any(m["role"] == "system" for m in messages):
+            return list(messages)
+        return [{"role": "system", "content": self.system_prompt}, *messages]
+
+    @property
+    def adds_to_questions(self) -> bool:
+        """Whether the preset writes into the exchange (an instruction around the question, a prefill)."""
+        return self.preset.instruction != "{question}" or bool(self.preset.prefill)
 
     def _wraps(self, question) -> bool:
         return self.wrap_conversations or not is_conversation(question)
@@ -117,6 +161,21 @@ class ChatTemplate:
 
     def __call__(self, question) -> str:
         return self.format(question)
+
+
+def check_system_prompt_fits(template, tokenizer, limit: int | None, reserve: int = 0, reserved_for: str = "") -> None:
+    """A system prompt that alone (with the template around an empty question) leaves no room in
+    a context of ``limit`` tokens for ``reserve`` more (``reserved_for`` says what they are) is a
+    TemplateError that names it: it is in every prompt, so the first data line is not to blame."""
+    system = getattr(template, "system_prompt", None)
+    if system is None or limit is None:
+        return
+    n = len(tokenizer(template.format(""), add_special_tokens=False)["input_ids"])
+    if n + reserve > limit:
+        where = getattr(template, "system_prompt_file", None) or "system_prompt"
+        past = f"; with {reserved_for} {reserve} that exceeds" if reserve else ", past"
+        raise TemplateError(f"{where}: the system prompt makes every prompt at least {n} tokens{past} the model's "
+                            f"context of {limit} tokens: shorten the system prompt")
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
