@@ -1,10 +1,30 @@
 // grpolab view: curves as inline SVG and a step browser of per-token records. No dependencies.
+// Every figure and text of a run goes into the DOM through esc() or textContent: a run's data is never markup.
 "use strict";
+window.addEventListener("error", (e) => {
+  const p = document.createElement("p");
+  p.className = "page-error";
+  p.textContent = `grpolab view: this page failed to draw (${e.message})`;
+  document.body.prepend(p);
+});
 const DATA = JSON.parse(document.getElementById("data").textContent);
 const RUNS = DATA.runs;
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
-const fmt = (v, d = 3) => (v == null ? "n/a" : Math.abs(v) >= 1000 ? v.toFixed(0) : (+v).toFixed(d));
+// a figure as text (not HTML: esc() it); anything not a finite number is shown as it is
+const fmt = (v, d = 3) => (v == null ? "n/a" : typeof v !== "number" || !isFinite(v) ? String(v)
+  : Math.abs(v) >= 1000 ? v.toFixed(0) : v.toFixed(d));
+const finite = (p) => p[1] != null;
+
+// the runs of points with a value (a null is a non-finite figure: a gap in the curve)
+function segments(pts) {
+  const out = [[]];
+  for (const p of pts) {
+    if (finite(p)) out[out.length - 1].push(p);
+    else if (out[out.length - 1].length) out.push([]);
+  }
+  return out.filter((s) => s.length);
+}
 const SERIES_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
 const RUN_DASHES = ["", "6 3", "2 2", "8 3 2 3"];
 
@@ -23,7 +43,7 @@ function chart(title, keys) {
   const W = 300, H = 140, L = 38, R = 6, T = 6, B = 18;
   const lines = [];
   RUNS.forEach((run, ri) => keys.forEach((key, ki) => {
-    if (run.curves[key] && run.curves[key].length) lines.push({ run: ri, key: ki, pts: run.curves[key] });
+    if (run.curves[key] && run.curves[key].some(finite)) lines.push({ run: ri, key: ki, pts: run.curves[key] });
   }));
   const present = keys.filter((k) => RUNS.some((r) => r.curves[k] && r.curves[k].length));
   const box = document.createElement("div");
@@ -31,31 +51,44 @@ function chart(title, keys) {
   box.innerHTML = `<h3>${esc(title)}</h3><div class="keys">${present.map((k) =>
     `<span style="color:${SERIES_COLORS[keys.indexOf(k)]}">&#9644; ${esc(k)}</span>`).join(" ")}</div>`;
   if (!lines.length) {
-    box.insertAdjacentHTML("beforeend", `<div class="none">not in this run's metrics</div>`);
+    const why = present.length ? "no finite values (see the notes above)" : "not in this run's metrics";
+    box.insertAdjacentHTML("beforeend", `<div class="none">${why}</div>`);
     return box;
   }
-  const xs = lines.flatMap((l) => l.pts.map((p) => p[0])), ys = lines.flatMap((l) => l.pts.map((p) => p[1]));
+  const xs = lines.flatMap((l) => l.pts.map((p) => p[0]));  // the gaps' steps too: the axis spans them
+  const ys = lines.flatMap((l) => l.pts.filter(finite).map((p) => p[1]));
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(0, ...ys), Math.max(...ys)];
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) y1 = y0 + 1;
   const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R), sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   let svg = `<svg viewBox="0 0 ${W} ${H}" preserveAspectRatio="none" role="img" aria-label="${esc(title)}">`;
   svg += `<line x1="${L}" y1="${H - B}" x2="${W - R}" y2="${H - B}" stroke="#999"/><line x1="${L}" y1="${T}" x2="${L}" y2="${H - B}" stroke="#999"/>`;
-  svg += `<text x="${L - 3}" y="${T + 8}" font-size="9" text-anchor="end">${fmt(y1, 2)}</text>`;
-  svg += `<text x="${L - 3}" y="${H - B}" font-size="9" text-anchor="end">${fmt(y0, 2)}</text>`;
-  svg += `<text x="${L}" y="${H - 4}" font-size="9">${fmt(x0, 0)}</text>`;
-  svg += `<text x="${W - R}" y="${H - 4}" font-size="9" text-anchor="end">${esc(RUNS[0].step_key)} ${fmt(x1, 0)}</text>`;
+  svg += `<text x="${L - 3}" y="${T + 8}" font-size="9" text-anchor="end">${esc(fmt(y1, 2))}</text>`;
+  svg += `<text x="${L - 3}" y="${H - B}" font-size="9" text-anchor="end">${esc(fmt(y0, 2))}</text>`;
+  svg += `<text x="${L}" y="${H - 4}" font-size="9">${esc(fmt(x0, 0))}</text>`;
+  svg += `<text x="${W - R}" y="${H - 4}" font-size="9" text-anchor="end">${esc(RUNS[0].step_key)} ${esc(fmt(x1, 0))}</text>`;
   for (const l of lines) {
-    const d = l.pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
-    const dots = l.pts.length < 40 ? l.pts.map((p) =>
-      `<circle cx="${sx(p[0]).toFixed(1)}" cy="${sy(p[1]).toFixed(1)}" r="1.8" fill="${SERIES_COLORS[l.key]}"/>`).join("") : "";
-    svg += `<polyline fill="none" stroke="${SERIES_COLORS[l.key]}" stroke-width="1.3" stroke-dasharray="${RUN_DASHES[l.run % 4]}" points="${d}"><title>${esc(RUNS[l.run].name)}: ${esc(keys[l.key])}</title></polyline>${dots}`;
+    const color = SERIES_COLORS[l.key], label = `${esc(RUNS[l.run].name)}: ${esc(keys[l.key])}`;
+    const dot = (p) => `<circle cx="${sx(p[0]).toFixed(1)}" cy="${sy(p[1]).toFixed(1)}" r="1.8" fill="${color}"/>`;
+    for (const seg of segments(l.pts)) {  // a lone point between gaps is still drawn (as a dot)
+      const d = seg.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+      const dots = l.pts.length < 40 || seg.length === 1 ? seg.map(dot).join("") : "";
+      svg += `<polyline fill="none" stroke="${color}" stroke-width="1.3" stroke-dasharray="${RUN_DASHES[l.run % 4]}"
+        points="${d}"><title>${label}</title></polyline>${dots}`;
+    }
   }
   box.insertAdjacentHTML("beforeend", svg + "</svg>");
   return box;
 }
 
+function drawNotes() {
+  const notes = RUNS.flatMap((r) => (r.notes || []).map((n) => (RUNS.length > 1 ? `${r.name}: ${n}` : n)));
+  for (const note of notes) $("notes").appendChild(document.createElement("p")).textContent = note;
+  $("notes").hidden = !notes.length;
+}
+
 function drawOverview() {
+  drawNotes();
   $("title").textContent = RUNS.map((r) => r.name).join(" vs ");
   $("runs-legend").innerHTML = RUNS.length > 1 ? RUNS.map((r, i) =>
     `<svg width="30" height="8"><line x1="0" y1="4" x2="30" y2="4" stroke="#333" stroke-width="2" stroke-dasharray="${RUN_DASHES[i % 4]}"/></svg> ${esc(r.name)} (${esc(r.path)})`).join(" &nbsp; ") : esc(RUNS[0].path);
@@ -92,7 +125,7 @@ function mix(a, b, t) {
 const WHITE = [255, 255, 255], GREEN = [42, 157, 75], RED = [214, 39, 40], BLUE = [31, 119, 180];
 
 function colorOf(v, mode, scale) {
-  if (v == null) return null;
+  if (!Number.isFinite(v)) return null;  // not measured (or not a number)
   if (mode === "logprob") return mix(WHITE, RED, 1 - Math.exp(v));
   if (mode === "entropy") return mix(WHITE, BLUE, v / scale);
   return v >= 0 ? mix(WHITE, GREEN, v / scale) : mix(WHITE, RED, -v / scale);
@@ -128,9 +161,10 @@ function responseHtml(resp, g, ri, mode, scale) {
   });
   if (inObs) html += "</span>";
   const adv = Array.isArray(resp.advantage) ? "per token (GAE)" : fmt(resp.advantage);
-  const parts = Object.entries(resp.rewards || {}).filter(([k]) => k !== "reward").map(([k, v]) => `${esc(k.replace(/_reward$/, ""))} ${fmt(v, 2)}`);
+  const parts = Object.entries(resp.rewards || {}).filter(([k]) => k !== "reward")
+    .map(([k, v]) => `${esc(k.replace(/_reward$/, ""))} ${esc(fmt(v, 2))}`);
   return `<div class="response ${isCorrect(resp) ? "correct" : "wrong"}" data-finish="${esc(resp.finish)}">
-    <div class="response-head"><b>reward ${fmt(resp.reward, 2)}</b> ${parts.join(", ")} · adv ${adv} · ${esc(resp.finish)} · ${resp.tokens.length} tok</div>
+    <div class="response-head"><b>reward ${esc(fmt(resp.reward, 2))}</b> ${parts.join(", ")} · adv ${esc(adv)} · ${esc(resp.finish)} · ${resp.tokens.length} tok</div>
     <div class="tokens">${html}</div></div>`;
 }
 
@@ -156,11 +190,11 @@ function drawGroups() {
   }
   const step = current(), fr = $("filter-response").value, fg = $("filter-group").value;
   const values = step.groups.flatMap((g) => g.responses.flatMap((r) => r.tokens.map((_, i) => tokenValue(r, i, mode))))
-    .filter((v) => v != null).map(Math.abs);
-  const scale = Math.max(1e-6, ...values);
+    .filter(Number.isFinite).map(Math.abs);
+  const scale = values.reduce((a, b) => Math.max(a, b), 1e-6);  // (a spread of 100k+ values overflows the stack)
   const info = MODES[mode];
   $("legend").innerHTML = `<span class="bar" style="background:linear-gradient(to right, ${info.diverging ? `${mix(WHITE, RED, 1)}, #fff,` : "#fff,"} ${colorOf(mode === "logprob" ? -10 : scale, mode, scale)})"></span>
-    ${info.diverging ? `−${fmt(scale)} … +${fmt(scale)}` : mode === "entropy" ? `0 … ${fmt(scale)}` : ""} ${esc(info.label)}; dotted outline = not measured. ${run.recorded_steps} steps recorded.`;
+    ${esc(info.diverging ? `−${fmt(scale)} … +${fmt(scale)}` : mode === "entropy" ? `0 … ${fmt(scale)}` : "")} ${esc(info.label)}; dotted outline = not measured. ${esc(run.recorded_steps)} steps recorded.`;
   let html = "", matching = 0;
   step.groups.forEach((g, gi) => {
     const zero = isZeroVariance(g);
@@ -169,8 +203,8 @@ function drawGroups() {
     const shown = g.responses.map((r, ri) => [r, ri]).filter(([r]) =>
       fr === "all" || (fr === "correct" && isCorrect(r)) || (fr === "wrong" && !isCorrect(r)) || (fr === "truncated" && r.finish === "length"));
     const mean = g.responses.reduce((s, r) => s + r.reward, 0) / g.responses.length;
-    html += `<div class="group${zero ? " zero" : ""}" data-group="${g.group}">
-      <div class="group-head">group ${g.group} · mean reward ${fmt(mean, 2)}${zero ? " · <b>zero variance: no signal</b>" : ""}${g.answer != null ? ` · answer ${esc(g.answer)}` : ""}
+    html += `<div class="group${zero ? " zero" : ""}" data-group="${esc(g.group)}">
+      <div class="group-head">group ${esc(g.group)} · mean reward ${esc(fmt(mean, 2))}${zero ? " · <b>zero variance: no signal</b>" : ""}${g.answer != null ? ` · answer ${esc(g.answer)}` : ""}
       <div class="prompt">${esc(g.prompt)}</div></div>
       <div class="responses">${shown.map(([r, ri]) => responseHtml(r, gi, ri, mode, scale)).join("") || '<span class="empty">no response matches the filter</span>'}</div></div>`;
   });
