@@ -83,7 +83,7 @@ class GRPOConfig(PolicyUpdateConfig):
     length_normalization: str = "masked_mean"
     """How token losses become one: masked_mean (per response, CS336), masked_normalize (sum / normalize_constant,
     Dr. GRPO) or token_mean (over the batch's tokens, DAPO)."""
-    normalize_constant: float | None = None
+    normalize_constant: float | None = Field(None, gt=0)
     """masked_normalize's divisor in tokens; null: sampling_max_tokens."""
     cliprange_high: float | None = Field(None, gt=0)
     """DAPO's clip-higher: the upper clip 1 + cliprange_high (e.g. 0.28) with 1 - cliprange below; null: cliprange."""

@@ -52,7 +52,7 @@ class RMConfig(RunConfig):
     """Linear learning-rate warm-up in optimizer steps, capped at 10 % of n_rm_steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: a constant learning rate, or cosine decay to 0 at the last step."""
-    margin: float = 0.0
+    margin: float = Field(0.0, ge=0)
     """Llama 2's margin: the loss is -log sigmoid(r_chosen - r_rejected - margin) (0: plain Bradley-Terry)."""
     max_length: int = Field(1024, ge=1)
     """Tokens per text, truncated from the left (the score is read at the last token)."""

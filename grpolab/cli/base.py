@@ -81,4 +81,27 @@ def main() -> None:
     registered by importing ``grpolab.cli``)."""
     import sys
 
-    app(args=boolean_flag_values(sys.argv[1:]), prog_name="grpolab")
+    try:
+        app(args=boolean_flag_values(sys.argv[1:]), prog_name="grpolab")
+    except (ImportError, MemoryError) as exc:
+        if not isinstance(exc, MemoryError) and not any(sign in str(exc) for sign in OUT_OF_MEMORY):
+            raise
+        sys.exit(f"grpolab: error: out of memory ({_address_limit()}): {_last_line(exc)}")
+
+
+# how a shared library that cannot be mapped (an address-space limit, ulimit -v) reads as an ImportError
+OUT_OF_MEMORY = ("failed to map segment", "Cannot allocate memory", "cannot allocate memory")
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _address_limit() -> str:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return "the machine's memory is exhausted"
+    return f"the address-space limit (ulimit -v) is {soft / 2**30:.2f} GiB; grpolab with torch needs about 1.2 GiB"

@@ -124,6 +124,8 @@ def text_or_conversation(obj: Any, name: str) -> str | list[dict]:
     if isinstance(value, dict):
         raise KeyError(f"field {name!r} is one message object; a conversation is a list of them: "
                        '[{"role": ..., "content": ...}]')
+    if isinstance(value, bool):  # true/false asks nothing (a number may be a question: "12")
+        raise KeyError(f"field {name!r} is {str(value).lower()}; expected text or a list of messages")
     return prompt_conversation(value, name) if isinstance(value, list) else str(value)
 
 

@@ -80,9 +80,11 @@ class RewardModelOptions(BaseModel):
 
         if value is not None:
             try:
-                torch.device(value)
+                kind = torch.device(value).type
             except (RuntimeError, ValueError):
-                raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+                kind = None
+            if kind not in ("cpu", "cuda", "mps"):  # meta, xla, ...: no scores come back from those
+                raise ValueError(f"{value!r} is not a device a reward model runs on (cpu, cuda, cuda:N, mps)")
         return value
 
 

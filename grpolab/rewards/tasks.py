@@ -25,9 +25,17 @@ _EQUATION_CHARS_RE = re.compile(r"[0-9+\-*/()\s]*")  # what an admitted equation
 
 def plain_integer(text: str) -> int | None:
     """``text`` (surrounding whitespace and a Unicode minus allowed) as an integer written in ASCII
-    digits with an optional sign, else None: ``1_0``, ``0x0a``, ``１０``, ``10.0`` are not."""
+    digits with an optional sign, else None: ``1_0``, ``0x0a``, ``１０``, ``10.0`` are not; nor is one
+    of more digits (leading zeros aside) than Python reads (``sys.get_int_max_str_digits()``: 4300),
+    longer than any task's answer, so a model's 5000-digit answer is wrong, not a verifier error."""
     text = text.strip().replace("\u2212", "-")
-    return int(text) if _INTEGER_RE.fullmatch(text) else None
+    if not _INTEGER_RE.fullmatch(text):
+        return None
+    sign, digits = ("-" if text[0] == "-" else ""), text.lstrip("+-").lstrip("0") or "0"
+    try:
+        return int(sign + digits)
+    except ValueError:  # past the int-from-str limit
+        return None
 
 
 def arithmetic_reward_fn(response: str, ground_truth: Any, *, lenient_format: bool = False) -> dict[str, float]:

@@ -11,6 +11,7 @@ field reads it as YAML."""
 
 from __future__ import annotations
 
+import re
 import reprlib
 import types
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,7 @@ class ConfigError(ValueError):
 
 MAX_CONFIG_BYTES = 10 * 2**20  # a config is a few KB; a bigger file is a mistake (a checkpoint, a log)
 MAX_ALIAS_VALUES = 100_000  # values that aliases may add to a document (a billion-laughs file: billions)
+MISSING_KEY = object()
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
 NULL_TEXTS = ("null", "~", "")  # a command-line value meaning null for a field that may be null
 
@@ -121,7 +123,8 @@ def load_yaml_file(path: str | Path) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        reason = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line (a ReaderError spans two)
+        raise ConfigError(f"{path}{where}: invalid YAML ({reason})") from None
 
 
 # ---------------------------------------------------------------- command-line values
@@ -154,7 +157,12 @@ def yaml_value(raw: str) -> Any:
         value = load_yaml(raw)
     except (yaml.YAMLError, RecursionError):
         return raw
+    if value is None and raw.strip() not in NULL_TEXTS:  # '#': a comment to YAML, a value as typed
+        return raw
     return raw if isinstance(value, str) else value
+
+
+INTEGER = re.compile(r"[-+]?[0-9]+")
 
 
 def field_value(annotation: Any, raw: str) -> Any:
@@ -165,6 +173,9 @@ def field_value(annotation: Any, raw: str) -> Any:
     kinds = [k for k in members if k is not type(None)]
     if kinds and all(_is_text_type(k) for k in kinds):
         return None if len(kinds) < len(members) and raw in NULL_TEXTS else str(raw)
+    if kinds == [int] and not (len(kinds) < len(members) and raw in NULL_TEXTS):
+        # decimal digits only: YAML 1.1 would read 010 as 8, 1:30 as 90, 0b11 as 3 (pydantic refuses the rest)
+        return int(raw) if INTEGER.fullmatch(raw.strip()) else str(raw)
     return yaml_value(raw)
 
 
@@ -204,6 +215,18 @@ def _format_validation_error(exc: ValidationError, source: str, typed: frozenset
     return f"{source}: " + "; ".join(parts)
 
 
+def _beyond_float32(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (a number, or a list, tuple or mapping of them, a few levels deep) holds a float
+    whose magnitude float32 cannot hold."""
+    if isinstance(value, float):
+        return abs(value) > FLOAT32_MAX
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return any(_beyond_float32(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return any(_beyond_float32(v, depth + 1) for v in value.values())
+    return False
+
+
 class BaseConfig(BaseModel):
     """Base of every method's config: no unknown keys, validated on assignment, no NaN or infinite
     float, and every field described by the docstring under it. A field a subclass declares again
@@ -233,6 +256,9 @@ class BaseConfig(BaseModel):
                 loaded = {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: the config must be a mapping of keys to values")
+            odd = next((k for k in loaded if not isinstance(k, str)), MISSING_KEY)
+            if odd is not MISSING_KEY:
+                raise ConfigError(f"{path}: key {short_repr(odd)} is not a name (every key is a field's name)")
             data.update(loaded)
         typed = set()
         for key, value in (overrides or {}).items():
@@ -258,15 +284,14 @@ class BaseConfig(BaseModel):
             return True
         return field_value(annotation, value) if isinstance(value, CommandLineValue) else value
 
-    @model_validator(mode="after")
-    def _within_float32(self):
-        """A float beyond float32's range (a learning rate of 1e39) is refused here: every tensor it
-        meets is float32, where it is infinite (AdamW would fail deep inside its step)."""
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            if isinstance(value, float) and abs(value) > FLOAT32_MAX:
-                raise ValueError(f"'{name}': {value:g} is beyond float32's range (±{FLOAT32_MAX:.3g})")
-        return self
+    @field_validator("*")
+    @classmethod
+    def _within_float32(cls, value: Any) -> Any:
+        """A float beyond float32's range (a learning rate or a reward weight of 1e39), at any depth of
+        a field, is refused: every tensor it meets is float32, where it is infinite."""
+        if _beyond_float32(value):
+            raise ValueError(f"{short_repr(value)} holds a number beyond float32's range (±{FLOAT32_MAX:.3g})")
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

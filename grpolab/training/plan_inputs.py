@@ -4,7 +4,8 @@ named architecture's, or the embedded model's), and what each of its parts costs
 hardware (GPUs as given, or this machine), the length of the run's longest prompt, and the ZeRO
 block of its DeepSpeed config. Each is checked as it is read: one line naming the flag, or the file
 and its key, for a size that is not a positive integer, a count below 1, a memory that is not a
-finite figure, or a prompt that does not fit the context."""
+finite figure, a size beyond 2**40, a boolean that is not true or false, or a prompt that does
+not fit the context."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, dict] = {
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_SIZE = 2**40  # beyond it a size is a typo: no tensor dimension, layer or vocabulary count is so large
 MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB: beyond it a figure is a typo (or inf), not a GPU
 
 
@@ -42,6 +44,21 @@ def _positive_int(cfg: dict, key: str, source: str, default: int | None = None) 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         shown = json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
         raise ValueError(f"{source}: {key} must be a positive integer, got {shown}")
+    if value > MAX_SIZE:
+        shown = str(value) if value < 10**30 else f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+        raise ValueError(f"{source}: {key} must be at most 2**40 ({MAX_SIZE:,}), got {shown}")
+    return value
+
+
+def _flag(cfg: dict, key: str, source: str, default: bool) -> bool:
+    """``cfg[key]`` as a JSON boolean (``true``/``false``; transformers' config refuses ``"yes"``, 1,
+    null), ``default`` where the key is absent."""
+    if key not in cfg:
+        return default
+    value = cfg[key]
+    if not isinstance(value, bool):
+        shown = json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
+        raise ValueError(f"{source}: {key} must be true or false, got {shown}")
     return value
 
 
@@ -88,8 +105,8 @@ class ModelShape:
                              "head dimension (give head_dim)")
         return cls(**size, num_key_value_heads=kv_heads,
                    max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=2048),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+                   tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, False),
+                   attention_bias=_flag(cfg, "attention_bias", source, cfg.get("model_type") == "qwen2"),
                    head_dim=head_dim)
 
     @property
@@ -179,6 +196,8 @@ def model_shape(model: str, architecture: str | None = None) -> tuple[ModelShape
             raise ValueError(f"{path / 'config.json'}: invalid JSON ({exc.msg})") from None
         except UnicodeDecodeError:
             raise ValueError(f"{path / 'config.json'}: not a text file (a config.json is UTF-8 JSON)") from None
+        except ValueError as exc:  # an integer past Python's int-from-str limit (4300 digits)
+            raise ValueError(f"{path / 'config.json'}: invalid JSON ({exc})") from None
         return ModelShape.from_config(cfg, str(path / "config.json")), f"{path / 'config.json'}"
     if path.name.lower() in presets:
         name = presets[path.name.lower()]

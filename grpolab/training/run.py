@@ -212,7 +212,15 @@ class Run:
             if self._nonfinite_at_start:
                 self.bar.write(f"grpolab health: the model holds NaN or inf in {self._nonfinite_at_start} parameter "
                                "tensor(s) before training: every step whose loss they reach is skipped")
-        result = self.weights.optimizer_step(parameters_of, optimizer, scheduler, loss)
+        try:
+            result = self.weights.optimizer_step(parameters_of, optimizer, scheduler, loss)
+        except RuntimeError as exc:  # torch: "value cannot be converted to type float without overflow"
+            if "overflow" not in str(exc):
+                raise
+            raise NonFiniteWeightsError(
+                f"optimizer step {self.train_step}: AdamW's update overflows float32 (learning_rate "
+                f"{getattr(self.cfg, 'learning_rate', None)}); stopped before any checkpoint of it is written. "
+                "Lower learning_rate.") from None
         if result.skipped:
             self.nonfinite_steps += 1
             self.bar.write(

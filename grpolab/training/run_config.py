@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ..envs import check_env_options, check_retrieval_options
 from ..rewards import check_reward_spec
@@ -17,13 +17,35 @@ from .config import BaseConfig
 EnvOptions = Annotated[dict[str, Any] | None, AfterValidator(lambda v: None if v is None else check_env_options(v))]
 RetrievalOptions = Annotated[dict[str, Any] | None,
                              AfterValidator(lambda v: None if v is None else check_retrieval_options(v))]
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an AdamW moment's decay
+
+
+def _device(value: str) -> str:
+    """``auto`` or a torch device of a kind the trainers run on (cpu, cuda, cuda:N, mps)."""
+    import torch
+
+    if value == "auto":
+        return value
+    try:
+        kind = torch.device(value).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{value!r} is not a device the trainers run on (auto, cpu, cuda, cuda:N, mps)")
+    return value
+
+
+def _named(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
 
 
 class RunConfig(BaseConfig):
     """The fields every training method shares: model, data, reward, optimizer basics, device, seed."""
 
     # --- Model and data
-    model: str = "embedded:tiny"
+    model: Annotated[str, AfterValidator(_named)] = "embedded:tiny"
     """The model to train: a local Hugging Face directory (safetensors; a run's final/, a LoRA adapter), or
     embedded:tiny (~0.9M parameters) / embedded:small (~9.5M), built in-process with a character tokenizer."""
     task: str | None = "arithmetic"
@@ -65,20 +87,20 @@ class RunConfig(BaseConfig):
     """The reward: a built-in verifier's name (r1_zero, gsm8k, countdown, ...), "pkg.mod:fn", a reward
     model {model: DIR}, or a list of weighted components; null: the task's verifier, else r1_zero."""
     # --- Optimizer (AdamW, as in CS336)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     """AdamW's (beta1, beta2), CS336's defaults."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay (CS336: 0)."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = Field(1.0, ge=0)
     """Clip the gradient's global L2 norm to this before each optimizer step; null or 0: no clipping."""
     # --- Device and reproducibility
-    device: str = "auto"
+    device: Annotated[str, AfterValidator(_device)] = "auto"
     """A torch device (cpu, cuda, cuda:1, ...); auto: cuda when available, else cpu. Under torchrun each rank
     takes its own GPU."""
     threads: int | None = Field(None, ge=1)
     """CPU: torch threads. Null: OMP_NUM_THREADS when set, else a short probe keeps 1 or all cores, whichever
     runs faster now (all cores collapse when other processes hold some)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     """Seeds Python, torch and numpy, the model's initialisation (embedded models), question order and sampling."""
     show_progress: bool = True
     """A progress bar over the outer steps (rank 0)."""
@@ -92,6 +114,11 @@ class RunConfig(BaseConfig):
     run_dir: str = "runs/run"
     """Where the run writes config.yaml, metrics.jsonl, samples/, checkpoints/ and final/ (each method has its
     own default); a directory holding another run is refused without --overwrite."""
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_named(cls, value: str) -> str:  # each method's own default keeps the rule
+        return _named(value)
     eval_every: int = Field(0, ge=0)
     """Outer steps between periodic validations (0: none; the run still validates at its end)."""
     checkpoint_every: int = Field(0, ge=0)

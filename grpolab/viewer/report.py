@@ -55,25 +55,44 @@ def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _finite(value) -> bool:
+    """Whether a number is finite as a float (an integer too large for a float is not: 10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _text(name: str) -> str:
+    """A path or name as the page may hold it: bytes that are not UTF-8 (read as lone surrogates)
+    become U+FFFD (a lone surrogate in the page's JSON breaks the browser's DOM)."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that no file name decodes to
+        return name.encode("utf-8", "replace").decode("utf-8")
+
+
 def _shown(value) -> str:
     return "nothing" if value is MISSING else json.dumps(value)[:40]
 
 
-def _read_jsonl(path: Path, notes: list[str], check=None, constant=None) -> list[dict]:
+def _read_jsonl(path: Path, notes: list[str], check=None, constant=None, real=None) -> list[dict]:
     """The JSON objects of ``path``, one a line. A bad line is a ``ViewError`` naming ``path:line``
     (``check(record)`` -> a problem or None), except a cut last line (a run still writing): left
-    out, with a note. ``constant``: json's ``parse_constant`` (for Infinity, -Infinity, NaN)."""
+    out, with a note. ``constant``, ``real``: json's ``parse_constant`` (for Infinity, -Infinity,
+    NaN) and ``parse_float``."""
     out = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
-                record = json.loads(line, parse_constant=constant) if line.strip() else MISSING
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                record = json.loads(line, parse_constant=constant, parse_float=real) if line.strip() else MISSING
+            except ValueError as exc:  # not UTF-8, not JSON, an integer of over 4300 digits
                 if number > 1 and not raw.endswith(b"\n"):  # the last line of a run still being written
                     notes.append(f"{path.name}: the last line is incomplete (a run still writing?): left out")
                     break
-                reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({exc.msg})"
+                reason = ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError)
+                          else f"not JSON ({exc.msg if isinstance(exc, json.JSONDecodeError) else exc})")
                 raise ViewError(f"{path}:{number}: {reason}") from None
             if record is MISSING:
                 continue
@@ -113,7 +132,8 @@ def _step_key(records: list[dict]) -> str:
 def _nonfinite_note(key: str, step_key: str, steps: list[float]) -> str:
     named = ", ".join(f"{x:g}" for x in steps[:NOTE_STEPS])
     more = f" and {len(steps) - NOTE_STEPS} more" if len(steps) > NOTE_STEPS else ""
-    return f"{key}: not finite (Infinity or NaN) at {step_key} {named}{more}: left out of the curve (a gap)"
+    return (f"{key}: not finite (Infinity or NaN) at {step_key} {named}{more}: those values are left out; "
+            "a step with no finite value is a gap")
 
 
 def _buckets(points: list[tuple[float, float | None]]) -> list[list[float | None]]:
@@ -123,24 +143,26 @@ def _buckets(points: list[tuple[float, float | None]]) -> list[list[float | None
     for chunk in (points[i : i + size] for i in range(0, len(points), size)):
         ys = [y for _, y in chunk]
         y = None if None in ys else sum(ys) / len(ys)
-        out.append([sum(x for x, _ in chunk) / len(chunk), round(y, 6) if y is not None and math.isfinite(y) else None])
+        x = sum(float(x) for x, _ in chunk) / len(chunk)
+        out.append([x, round(y, 6) if y is not None and math.isfinite(y) else None])
     return out
 
 
 def curves(records: list[dict], step_key: str, notes: list[str] | None = None) -> dict[str, list[list]]:
     """Every numeric figure as [[step, mean over the step's records], ...], averaged into at most
-    ``MAX_POINTS`` buckets of steps. A step whose only values are non-finite is a gap (null); each
-    figure with non-finite values gets a note in ``notes``."""
+    ``MAX_POINTS`` buckets of steps. Non-finite values (and numbers too large for a float) are left
+    out of the mean; a step with no finite value is a gap (null); each figure with non-finite values
+    gets a note in ``notes``. A record whose step is not finite is left out."""
     sums: dict[str, dict[float, list]] = {}
     for r in records:
         x = r.get(step_key)
-        if not _number(x) or not math.isfinite(x):
+        if not _number(x) or not _finite(x):
             continue
         for key, value in r.items():
             if key != step_key and _number(value):
                 acc = sums.setdefault(key, {}).setdefault(x, [0.0, 0, False])  # sum, count, a non-finite value
-                if math.isfinite(value):
-                    acc[0] += value
+                if _finite(value):
+                    acc[0] += float(value)
                     acc[1] += 1
                 else:
                     acc[2] = True
@@ -204,12 +226,18 @@ def load_run(run_dir: str | Path) -> dict:
     def constant(name: str) -> None:
         nonfinite.append(name)
 
+    def real(text: str) -> float:  # 1e400: json reads it as inf, not through parse_constant
+        value = float(text)
+        if not math.isfinite(value):
+            nonfinite.append(text)
+        return value
+
     if (path / RECORDS_FILE).is_file():
-        for group in _read_jsonl(path / RECORDS_FILE, notes, _check_group, constant):
+        for group in _read_jsonl(path / RECORDS_FILE, notes, _check_group, constant, real):
             steps.setdefault(group["step"], []).append(group)
     if nonfinite:
         notes.append(f"{RECORDS_FILE}: {len(nonfinite)} non-finite numbers (Infinity or NaN) shown as n/a")
-    return {"name": path.resolve().name, "path": str(path), "step_key": step_key, "config": config,
+    return {"name": _text(path.resolve().name), "path": _text(str(path)), "step_key": step_key, "config": config,
             "curves": curves(records, step_key, notes), "recorded_steps": len(steps),
             "steps": [{"step": s, "groups": steps[s]} for s in _sampled(steps)], "notes": notes}
 
@@ -312,7 +340,7 @@ def make_server(run_dirs: list[str | Path], port: int = 0) -> http.server.Thread
             try:
                 body, status = render(run_dirs).encode("utf-8"), 200
             except (ViewError, OSError) as exc:
-                body, status = f"grpolab view: {exc}".encode("utf-8"), 500
+                body, status = _text(f"grpolab view: {exc}").encode("utf-8"), 500
             self._reply(status, body, "html" if status == 200 else "plain")
 
         def log_message(self, *args) -> None:

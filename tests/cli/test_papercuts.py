@@ -2,6 +2,7 @@
 tokenizers saved without loader options."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,23 @@ def test_saved_tokenizers_carry_no_loader_options(tmp_path):
     saved = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
     assert not {"local_files_only", "is_local", "trust_remote_code"} & set(saved)
     assert saved["eos_token"] == "<|im_end|>"  # what was loaded is saved
+
+
+def test_too_little_address_space_to_start_is_one_line(tmp_path):  # Z06
+    """Under ``ulimit -v`` 300 MB the shared libraries torch loads (libtorch_cpu.so is larger) cannot be
+    mapped: one line saying so and what the limit is, not chained import tracebacks."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (300 * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    done = subprocess.run([sys.executable, "-m", "grpolab", "grpo", "--n-grpo-steps", "1", "--run-dir",
+                           str(tmp_path / "run")], preexec_fn=limit, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    if done.returncode == 0:
+        pytest.skip("this machine starts grpolab within 300 MB of address space: nothing to refuse")
+    if done.stderr.strip().splitlines()[-1].startswith("OpenBLAS error"):  # its C code exits before Python can speak
+        pytest.skip("OpenBLAS (numpy's) exits on its own buffer allocation here, before any Python error")
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "grpolab: error: out of memory (the address-space limit (ulimit -v) is 0.29 GiB"), done.stderr[-2000:]

@@ -44,6 +44,17 @@ def test_a_prompt_given_as_one_message_object_names_the_line(tmp_path):  # CH03
         load_preferences(_jsonl(tmp_path / "p.jsonl", [{"prompt": USER, "chosen": "5", "rejected": "6"}]))
 
 
+def test_a_boolean_prompt_names_the_line(tmp_path):  # true asks nothing; a number may be a question
+    with pytest.raises(DataError, match=r"b.jsonl:1: field 'prompt' is true; expected text or a list of messages"):
+        load_examples(_jsonl(tmp_path / "b.jsonl", [{"prompt": True, "answer": "1"}]))
+    assert load_examples(_jsonl(tmp_path / "n.jsonl", [{"prompt": 12, "answer": "12"}]))[0].question == "12"
+
+
+def test_a_system_prompt_path_that_is_not_a_regular_file_says_so():
+    with pytest.raises(TemplateError, match="system_prompt '/dev/zero' looks like a file path but is not a regular"):
+        read_system_prompt("/dev/zero")
+
+
 def test_a_system_only_prompt_is_refused_as_under_messages(tmp_path):  # CH04 (CH05: messages)
     with pytest.raises(DataError, match=r"d.jsonl:1: field 'prompt' has no user message"):
         load_examples(_jsonl(tmp_path / "d.jsonl", [{"prompt": [SYSTEM], "answer": "5"}]))

@@ -43,7 +43,15 @@ def test_the_run_paths_take_a_seed_in_task_options(grpo_config):
     ("arithmetic", {"digits": True}, "digits must be an integer, got True"),
     ("arithmetic", {"digits": 0}, "digits must be at least 1, got 0"),
     ("arithmetic", {"num_ops": -5}, "num_ops must be at least 1, got -5"),
-    ("arithmetic", {"digits": 10**6}, "digits must be at most 100"),
+    ("arithmetic", {"digits": 10**6}, "digits must be at most 40"),
+    # T03: 100 products of 100-digit numbers would pass Python's 4300-digit int-to-str limit
+    ("arithmetic", {"digits": 100, "num_ops": 100, "ops": "*"}, "digits must be at most 40, got 100"),
+    ("arithmetic", {"num_ops": 101}, "num_ops must be at most 100, got 101"),
+    # T02: a huge integer is compared exactly, never converted to a float (OverflowError)
+    ("arithmetic", {"wrong_fraction": 10**400}, "wrong_fraction must be a finite number, got an integer of 401 digits"),
+    ("arithmetic", {"wrong_fraction": 10**300}, "wrong_fraction must be at most 1.0, got an integer of 301 digits"),
+    ("arithmetic", {"seed": 2**64}, "seed must be at most 9223372036854775807"),
+    ("countdown", {"seed": -(2**64)}, "seed must be at least -9223372036854775807"),
     ("arithmetic", {"ops": "/"}, "ops must be one or more of '+-*'"),
     ("arithmetic", {"ops": 5}, "ops must be a string, got 5"),
     ("arithmetic", {"phrasing": "prose"}, "phrasing must be one of 'compact', 'words'"),
@@ -81,3 +89,18 @@ def test_eval_with_a_wrong_embedded_task_option_is_one_line(tmp_path):
                                        "--task-option", "digitz=2", "--out", str(tmp_path / "eval")])
     lines = out.stderr.strip().splitlines()
     assert out.exit_code == 2 and len(lines) == 1 and "unknown option 'digitz'" in lines[0], out.stderr
+
+
+def test_an_integer_option_without_its_own_bound_is_at_most_max_integer():
+    # T05: a reasoning-gym `size: 2**63` overflowed inside the generator; every integer option has a bound
+    from grpolab.data.tasks.options import MAX_INTEGER, check_options
+
+    fields = {"size": int, "limit": int | None, "ratio": float}
+    where = "^task_options of rg:x: "
+    with pytest.raises(ValueError, match=where + "size must be at most 1000000000, got 9223372036854775808$"):
+        check_options("rg:x", {"size": 2**63}, fields, {"size": (1, None)})
+    with pytest.raises(ValueError, match=where + "limit must be at least -1000000000, got "):
+        check_options("rg:x", {"limit": -(10**12)}, fields)
+    with pytest.raises(ValueError, match=where + "ratio must be a finite number, got an integer of 401 digits$"):
+        check_options("rg:x", {"ratio": 10**400}, fields)
+    check_options("rg:x", {"size": MAX_INTEGER, "limit": None, "ratio": 10**300}, fields, {"size": (1, None)})

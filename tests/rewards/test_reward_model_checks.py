@@ -57,10 +57,11 @@ def test_a_device_torch_can_read_but_this_machine_lacks_names_reward_device(dirs
     assert one_line(err).startswith(f"reward.device '{device}': this ")
 
 
-def test_a_gpu0_device_is_refused_in_one_line(dirs):
+@pytest.mark.parametrize("device", ["gpu0", "meta"])  # meta: a device torch reads, where no score is computed
+def test_a_device_no_reward_model_runs_on_is_refused_in_one_line(dirs, device):
     with pytest.raises(ValueError) as err:
-        check_reward_spec({"model": str(dirs["rm"]), "device": "gpu0"})
-    assert one_line(err).startswith("reward.device: 'gpu0' is not a torch device (cpu, cuda, cuda:N, mps)")
+        check_reward_spec({"model": str(dirs["rm"]), "device": device})
+    assert one_line(err).startswith(f"reward.device: '{device}' is not a device a reward model runs on (cpu, cuda")
 
 
 def test_truncated_weights_are_one_line_naming_the_file(dirs):

@@ -55,3 +55,15 @@ def test_countdown_checks_the_right_hand_side_and_plain_numbers(equation, reward
 def test_an_equation_stating_a_value_evaluates_only_when_it_is_the_left_sides():
     assert evaluate_equation("(5*3)-2 = 13")[0] == 13
     assert evaluate_equation("(5*3)-2 = 12") is None
+
+
+def test_an_answer_past_pythons_int_digit_limit_is_wrong_not_an_error():
+    # T08: int() of a 5000-digit answer raised ValueError (Python's 4300-digit limit): a reward failure
+    huge = "9" * 5000
+    for answer in (huge, "-" + huge):
+        assert arithmetic_reward_fn(r1(answer), "10") == arithmetic_reward_fn(r1("11"), "10")
+        assert arithmetic_reward_fn(r1(answer), "10")["reward"] == 0.0
+        assert plain_integer(answer) is None
+    assert plain_integer("0" * 5000 + "10") == 10  # leading zeros are not digits of the number
+    assert countdown_reward_fn(r1(f"3*5-2 = {huge}"), GT)["reward"] == 0.0
+    assert countdown_reward_fn(r1(huge), GT)["reward"] == 0.0

@@ -195,7 +195,7 @@ def test_nonfinite_parameters_counts_the_tensors_with_nan_or_inf():
     assert nonfinite_parameters(optimizer) == (2, 4)
 
 
-def test_an_update_that_breaks_the_weights_stops_the_run_before_a_checkpoint(tmp_path):  # Y12
+def tiny_grpo_config(tmp_path) -> Path:
     config = tmp_path / "g.yaml"
     config.write_text(textwrap.dedent(f"""\
         model: embedded:tiny
@@ -217,6 +217,11 @@ def test_an_update_that_breaks_the_weights_stops_the_run_before_a_checkpoint(tmp
         token_record_groups: 0
         run_dir: {tmp_path / "run"}
         """))
+    return config
+
+
+def test_an_update_that_breaks_the_weights_stops_the_run_before_a_checkpoint(tmp_path):  # Y12
+    config = tiny_grpo_config(tmp_path)
     # valid, finite values (within float32 too), whose update overflows float32: the weight decay scales
     # the norms' weights (1.0) by 1 - 3.3e38, and the Adam step (~3e37) pushes half of them past 3.4e38
     done = subprocess.run([sys.executable, "-m", "grpolab", "grpo", "-c", str(config), "--learning-rate", "3e37",
@@ -279,6 +284,66 @@ def test_a_float_beyond_float32s_range_is_refused_naming_the_field():
     """Finite in Python, infinite in every float32 tensor it meets: AdamW would fail deep in its step."""
     from grpolab.algorithms.grpo import GRPOConfig
 
-    with pytest.raises(ConfigError, match=r"'learning_rate': 1e\+39 is beyond float32's range"):
+    with pytest.raises(ConfigError, match=r"'learning_rate': 1e\+39 holds a number beyond float32's range"):
         GRPOConfig.build(None, {"learning_rate": 1e39})
     assert GRPOConfig.build(None, {"learning_rate": 3e38}).learning_rate == 3e38
+    for deep in ({"reward": [{"fn": "r1_zero", "weight": 1.0e39}]}, {"task_options": {"rate": [1e39]}}):  # deep too
+        with pytest.raises(ConfigError, match=f"'{next(iter(deep))}'.* holds a number beyond float32's range"):
+            GRPOConfig.build(None, deep)
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["--max-grad-norm", "-1"], "'max_grad_norm': Input should be greater than or equal to 0"),  # would ascend
+    (["--normalize-constant", "-1"], "'normalize_constant': Input should be greater than 0"),  # would ascend too
+    (["--normalize-constant", "0"], "'normalize_constant': Input should be greater than 0"),  # was read as null
+    (["--betas", "[0.9, 2]"], "'betas.1': Input should be less than 1"),  # AdamW refused it only after --overwrite
+    (["--run-dir", ""], "'run_dir': must not be empty"),  # was the current directory
+    (["--model="], "'model': must not be empty"),
+    (["--device", "meta"], "'device': 'meta' is not a device the trainers run on"),
+    (["--seed", "-1"], "'seed': Input should be greater than or equal to 0"),
+    (["--seed", str(10**23)], "'seed': Input should be less than"),  # was an overflow deep in torch
+    (["--seed", "0b11"], "'seed': Input should be a valid integer"),  # YAML 1.1 read these as 3, 90, 1
+    (["--eval-every", "1:30"], "'eval_every': Input should be a valid integer"),
+    (["--seed", "true"], "'seed': Input should be a valid integer"),
+])
+def test_values_that_would_run_wrong_are_refused_naming_the_field(args, refused):
+    from grpolab.algorithms.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=re.escape(f"command line: {refused}")):
+        GRPOConfig.build(None, parse_overrides(args))
+
+
+def test_integers_on_the_command_line_are_decimal():
+    from grpolab.algorithms.grpo import GRPOConfig
+
+    assert GRPOConfig.build(None, parse_overrides(["--seed", "010", "--eval-every", "+5"])).seed == 10
+
+
+def test_a_key_that_is_not_a_name_and_a_nul_byte_are_one_line(tmp_path):
+    (tmp_path / "k.yaml").write_text("seed: 1\n~: 2\n")
+    with pytest.raises(ConfigError, match=r"k.yaml: key None is not a name"):
+        PolicyUpdateConfig.build(tmp_path / "k.yaml")
+    (tmp_path / "nul.yaml").write_text("seed: 1\x00\n")
+    with pytest.raises(ConfigError) as refused:
+        PolicyUpdateConfig.build(tmp_path / "nul.yaml")
+    assert "\n" not in str(refused.value) and "nul.yaml: invalid YAML (unacceptable character" in str(refused.value)
+
+
+def test_an_update_that_overflows_adamw_is_one_line_before_a_checkpoint(tmp_path):
+    """lr 3e38 is within float32, but Adam's first step is lr / (1 - beta1): torch refuses it deep in AdamW."""
+    done = subprocess.run([sys.executable, "-m", "grpolab", "grpo", "-c", str(tiny_grpo_config(tmp_path)),
+                           "--learning-rate", "3e38"], capture_output=True, text=True, env=ENV, timeout=240,
+                          check=False, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "grpolab: error: optimizer step 0: AdamW's update overflows float32 (learning_rate 3e+38)" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_comment_sign_alone_is_a_value_and_a_negative_margin_is_refused():
+    from grpolab.algorithms.grpo import GRPOConfig
+    from grpolab.algorithms.rm import RMConfig
+
+    with pytest.raises(ConfigError, match=r"'stop': .*\(got '#'\)"):  # not "(got None)": YAML read '#' as a comment
+        GRPOConfig.build(None, parse_overrides(["--stop", "#"]))
+    with pytest.raises(ConfigError, match=r"'margin': Input should be greater than or equal to 0"):
+        RMConfig.build(None, parse_overrides(["--margin", "-1"]))

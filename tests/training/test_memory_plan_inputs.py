@@ -72,6 +72,14 @@ def test_a_prompt_that_leaves_less_than_sampling_max_tokens_is_planned_clamped_w
     ('{"num_key_value_heads": 5}', "num_key_value_heads (5) must divide num_attention_heads (12)"),
     ('{"max_position_embeddings": 0}', "max_position_embeddings must be a positive integer, got 0"),
     ('{"hidden_size": 8}', "hidden_size 8 over 12 attention heads leaves no head dimension"),
+    # P02: a size past 2**40 is a typo (10**400 overflowed a float in the plan's figures)
+    ('{"hidden_size": %d}' % 10**400,
+     "hidden_size must be at most 2**40 (1,099,511,627,776), got an integer of about 401 digits"),
+    ('{"vocab_size": %d}' % (2**40 + 1), "vocab_size must be at most 2**40 (1,099,511,627,776), got 1099511627777"),
+    # P03: transformers' strict config refused these with a TypeError traceback
+    ('{"tie_word_embeddings": "yes"}', 'tie_word_embeddings must be true or false, got "yes"'),
+    ('{"tie_word_embeddings": 1}', "tie_word_embeddings must be true or false, got 1"),
+    ('{"attention_bias": null}', "attention_bias must be true or false, got null"),
     ("5", "not a JSON object but int"),
     ("[1, 2, 3]", "not a JSON object but list"),
 ])

@@ -92,13 +92,63 @@ def test_non_finite_figures_are_gaps_with_a_note(tmp_path):
     assert data["curves"]["train/lr"] == [[0, 0.001], [2, None]]
     notes = "\n".join(data["notes"])
     assert "train/reward: not finite" in notes and "grpo_step 1, 2" in notes and "train/lr" in notes
-    assert "tokens.jsonl: 2 non-finite numbers" in notes
+    assert "tokens.jsonl: 3 non-finite numbers" in notes  # 1e999 too (V13)
     response = _strict(_payload(render([run])))["runs"][0]["steps"][0]["groups"][0]["responses"][0]
     assert response["advantage"] is None and response["sampler_lp"] == [None] and response["entropy"] == [None]
     # a step with a finite value beside a NaN keeps it; many steps: a bucket holding a gap is a gap
     assert curves([{"s": 0, "x": float("nan")}, {"s": 0, "x": 2.0}], "s") == {"x": [[0, 2.0]]}
     many = curves([{"s": i, "y": inf if i == 4321 else 1.0} for i in range(6000)], "s")["y"]
     assert [p[1] for p in many].count(None) == 1 and many[0] == [4.5, 1.0]
+
+
+def test_numbers_too_large_for_a_float_are_non_finite(tmp_path):
+    """(V05) A 401-digit integer as a step or a value is not finite: no point, or a gap with a note."""
+    huge = "9" * 401
+    run = _run(tmp_path / "run", [])
+    lines = [(0, 0.5), (1, huge), (huge, 1.0), (2, 1)]
+    (run / METRICS_FILE).write_text("".join(f'{{"grpo_step": {s}, "train/reward": {v}}}\n' for s, v in lines))
+    data = load_run(run)
+    assert data["curves"]["train/reward"] == [[0, 0.5], [1, None], [2, 1.0]]
+    assert any(n.startswith("train/reward: not finite") and "grpo_step 1:" in n for n in data["notes"])
+    big = 10**308  # each fits a float, their sum does not: the mean is not finite, a gap
+    assert curves([{"s": 0, "x": big}, {"s": 0, "x": big}, {"s": 1, "x": 1}], "s") == {"x": [[0, None], [1, 1.0]]}
+    _strict(_payload(render([run])))
+
+
+def test_the_note_on_non_finite_values_says_what_the_curve_shows(tmp_path):
+    """(V08) 0, 1 and Infinity at one step draw 0.5: the note must not call that step a gap."""
+    notes: list[str] = []
+    assert curves([{"s": 0, "x": v} for v in (0, 1, float("inf"))], "s", notes) == {"x": [[0, 0.5]]}
+    assert notes == ["x: not finite (Infinity or NaN) at s 0: those values are left out; "
+                     "a step with no finite value is a gap"]
+
+
+def test_an_overlong_integer_is_a_bad_line(tmp_path):
+    """(V06) Over 4300 digits json raises a plain ValueError: it is FILE:LINE like any bad line."""
+    for name, line in ((RECORDS_FILE, f'{{"step": {"1" * 5001}, "responses": []}}\n'),
+                       (METRICS_FILE, f'{{"grpo_step": 3, "train/reward": {"1" * 5001}}}\n')):
+        run = _run(tmp_path / name)
+        with open(run / name, "a") as f:
+            f.write(line)
+        number = len((run / name).read_text().splitlines())
+        with pytest.raises(ViewError, match=rf"^{run / name}:{number}: not JSON \(.*4300 digits"):
+            load_run(run)
+
+
+def test_a_non_utf8_directory_name_enters_the_page_as_text(tmp_path):
+    """(V16) A byte that is not UTF-8 in a run's name is U+FFFD in the page, never a lone surrogate
+    (which crashes the browser's DOM), for the main run and an overlaid one alike."""
+    try:
+        run = _run(tmp_path / os.fsdecode(b"run\xff"))
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses non-UTF-8 names")
+    other = _run(tmp_path / os.fsdecode(b"other\xfe"))
+    page = render([run, other])
+    page.encode("utf-8")  # strict: no surrogate anywhere in the page
+    runs = _strict(_payload(page))["runs"]
+    assert [r["name"] for r in runs] == ["run\ufffd", "other\ufffd"]
+    assert runs[0]["path"] == str(tmp_path / "run\ufffd") and runs[1]["path"].endswith("other\ufffd")
+    assert "\\ud" not in _payload(page).lower() and "<title>grpolab view: run\ufffd vs other\ufffd</title>" in page
 
 
 @pytest.mark.parametrize("line, problem", [

@@ -90,7 +90,7 @@ def read_system_prompt(value: str | None) -> str | None:
         except OSError as exc:
             raise TemplateError(f"{path}: system prompt file cannot be read ({exc.strerror})") from None
     if looks_like_path(value):
-        what = "is a directory" if path.is_dir() else "no such file"
+        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
         raise TemplateError(f"system_prompt {value!r} looks like a file path but {what}; give an existing UTF-8 file, "
                             "or the prompt's text (with spaces)")
     return value

@@ -43,8 +43,9 @@ class ArithmeticTask(Task):
     ops: str = "+-"
     phrasing: str = "compact"
     name = "arithmetic"
-    # a question's numbers stay printable (Python's int-to-str limit) and its length bounded
-    option_bounds = {**Task.option_bounds, "digits": (1, 100), "num_ops": (1, 100)}
+    # a question's numbers and its answer stay printable: a product of num_ops + 1 numbers of
+    # `digits` digits has up to 40 * 101 = 4040 digits, within Python's int-to-str limit (4300)
+    option_bounds = {**Task.option_bounds, "digits": (1, 40), "num_ops": (1, 100)}
     option_choices = {**Task.option_choices, "phrasing": PHRASINGS}
 
     def __post_init__(self):
