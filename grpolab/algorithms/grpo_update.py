@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core import compute_policy_gradient_loss, grpo_microbatch_train_step, importance_sampling_weights, kl_k3
+from ..core import grpo_microbatch_train_step, importance_sampling_weights, kl_k3
 from ..models.fused_head import response_log_probs
 from ..models.shared_prefix import (
     label_to_response_layout,
@@ -92,15 +92,12 @@ def fewer_padded_tokens(sequences, passes: list[list[int]], rows_per_pass: int, 
     return by_length if pass_tokens(sequences, by_length, shared) < pass_tokens(sequences, passes, shared) else passes
 
 
-def loss_ratio(cfg, log_probs: torch.Tensor, mb: dict, old: torch.Tensor) -> torch.Tensor:
-    """Per token, the importance ratio the loss weighed and clipped, as the loss reports it (GSPO:
+def loss_ratio(meta: dict, log_probs: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per token, the importance ratio the loss weighed and clipped, as the loss reported it (GSPO:
     its sequence ratio ``s_i`` at every token of the response, whose clip flags the records show);
     ``exp(log pi - log pi_old)`` for a loss without one. For the token records only: no gradient."""
-    with torch.no_grad():
-        _, meta = compute_policy_gradient_loss(
-            log_probs.detach(), cfg.loss_type, mb["raw_rewards"], mb["advantages"], old, cfg.cliprange,
-            cliprange_high=cfg.cliprange_high, **{**cfg.loss_options(), "response_mask": mb["response_mask"]})
-    return meta["ratio"].float() if "ratio" in meta else torch.exp(log_probs.detach() - old)
+    ratio = meta["ratio"] if "ratio" in meta else torch.exp(log_probs - old)
+    return ratio.detach().float()
 
 
 def trained_signal(batch: RolloutBatch, cfg) -> torch.Tensor:
@@ -166,7 +163,7 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
         if "clip_fraction" in meta:
             sums["clip"] += meta["clip_fraction"] * n_tok
         if token_stats is not None:
-            figures = {"entropy": entropy.detach().float(), "ratio": loss_ratio(cfg, log_probs, mb, old),
+            figures = {"entropy": entropy.detach().float(), "ratio": loss_ratio(meta, log_probs, old),
                        "clipped": meta.get("clipped", torch.zeros_like(mask)).float()}
             for key, values in figures.items():
                 token_stats[key][live, : label_lp.shape[1]] = to_label_layout(values)

@@ -173,7 +173,8 @@ def _add_regularisers(
 
 
 def _loss_metadata(meta: dict[str, torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Clip fraction and mean ratio over the response tokens, when the loss reports them."""
+    """Clip fraction and mean ratio over the response tokens, and the per-token clip flags and
+    ratios, when the loss reports them."""
     out: dict[str, torch.Tensor] = {}
     if "clipped" in meta:
         out["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask)
@@ -182,5 +183,6 @@ def _loss_metadata(meta: dict[str, torch.Tensor], response_mask: torch.Tensor) -
         out["dual_clip_fraction"] = masked_mean(meta["dual_clipped"].float(), response_mask)
     if "ratio" in meta:
         out["ratio_mean"] = masked_mean(meta["ratio"], response_mask)
+        out["ratio"] = meta["ratio"]  # per token, as the loss weighed it (GSPO: its sequence ratio)
     out["num_response_tokens"] = response_mask.sum()
     return out

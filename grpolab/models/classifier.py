@@ -14,7 +14,6 @@ from .loading import (
     EMBEDDED_PREFIX,
     ModelLoadError,
     check_safe_weights,
-    check_weight_files,
     first_line,
     load_model,
     load_tokenizer,
@@ -77,7 +76,6 @@ def _saved_classifier(path: str, dtype, trust_remote_code: bool, require_head: b
 
     p = model_directory(path)
     check_safe_weights(p)
-    check_weight_files(p)
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             str(p), dtype=resolve_dtype(dtype), use_safetensors=True, local_files_only=True,

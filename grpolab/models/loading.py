@@ -111,8 +111,19 @@ def load_adapter_model(path: str, dtype, device, gradient_checkpointing: bool, t
 
 
 def check_safe_weights(p: Path) -> None:
-    """The directory must hold safetensors weights; a pickled checkpoint alone is refused."""
-    if any(p.glob("*.safetensors")):
+    """The directory must hold safetensors weights, each of which opens (its header read and its data
+    covered: a truncated or damaged file is one line naming it, not a safetensors traceback); a
+    pickled checkpoint alone is refused."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(p.glob("*.safetensors"))
+    for file in files:
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            raise ModelLoadError(f"{file}: damaged or truncated weights file ({first_line(exc)})") from None
+    if files:
         return
     pickled = sorted(f.name for f in p.iterdir() if f.suffix in PICKLED_SUFFIXES)
     if pickled:
@@ -127,19 +138,6 @@ def check_safe_weights(p: Path) -> None:
 def first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def check_weight_files(p: Path) -> None:
-    """Every ``*.safetensors`` file of ``p`` opens (its header read and its data covered): a truncated or
-    damaged one is a one-line ``ModelLoadError`` naming the file, not a safetensors traceback."""
-    from safetensors import SafetensorError, safe_open
-
-    for file in sorted(p.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except (OSError, SafetensorError) as exc:
-            raise ModelLoadError(f"{file}: damaged or truncated weights file ({first_line(exc)})") from None
 
 
 def _load_error(path: str, what: str, exc: Exception) -> ModelLoadError:
@@ -186,7 +184,6 @@ def load_model(
 
         p = model_directory(path)
         check_safe_weights(p)
-        check_weight_files(p)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(p), dtype=torch_dtype, use_safetensors=True, local_files_only=True,

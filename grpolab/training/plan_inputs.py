@@ -42,12 +42,16 @@ def _positive_int(cfg: dict, key: str, source: str, default: int | None = None) 
     if value is None and default is not None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        shown = json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
-        raise ValueError(f"{source}: {key} must be a positive integer, got {shown}")
+        raise ValueError(f"{source}: {key} must be a positive integer, got {_shown(value)}")
     if value > MAX_SIZE:
         shown = str(value) if value < 10**30 else f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
         raise ValueError(f"{source}: {key} must be at most 2**40 ({MAX_SIZE:,}), got {shown}")
     return value
+
+
+def _shown(value) -> str:
+    """A config.json value as its JSON text (a scalar) or its type's name (a list, a mapping)."""
+    return json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
 
 
 def _flag(cfg: dict, key: str, source: str, default: bool) -> bool:
@@ -57,8 +61,7 @@ def _flag(cfg: dict, key: str, source: str, default: bool) -> bool:
         return default
     value = cfg[key]
     if not isinstance(value, bool):
-        shown = json.dumps(value) if isinstance(value, (int, float, str)) or value is None else type(value).__name__
-        raise ValueError(f"{source}: {key} must be true or false, got {shown}")
+        raise ValueError(f"{source}: {key} must be true or false, got {_shown(value)}")
     return value
 
 
