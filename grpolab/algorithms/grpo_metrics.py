@@ -42,16 +42,22 @@ class StepClock:
         yield
         self.seconds[name] = time.perf_counter() - t
 
-    def figures(self, m: dict, run: Run, groups, is_stats: dict, with_tools: bool) -> dict[str, float]:
+    def figures(self, m: dict, run: Run, groups, is_stats: dict, with_tools: bool,
+                reward_errors: int | None = None) -> dict[str, float]:
         """``m`` (the rollout figures) with the step's timing, counters, tool figures and sampling
-        figures added, averaged over ranks (every rank then judges the whole batch's health)."""
+        figures added, averaged over ranks (every rank then judges the whole batch's health).
+        ``reward_errors``: the batch's, where it was scored apart from the step (asynchronous rollouts);
+        a ``time/rollout_s`` already in ``m`` (the producer's) is kept."""
+        if reward_errors is None:
+            reward_errors = self.scorer.errors - self.errors_before
         sync_s = self.seconds.get("weight_sync_s", 0.0)
         m["time/token_records_s"] = self.seconds["token_records_s"]
         if with_tools:  # tool calls, errors, turns, observation vs model tokens
             m.update(tool_metrics(groups.rollouts))
         now = time.perf_counter()
-        m.update({**groups.stats, **is_stats, "health/reward_errors": self.scorer.errors - self.errors_before,
-                  "health/nonfinite_steps": run.nonfinite_steps, "time/rollout_s": self.seconds["rollout_s"],
+        m.update({**groups.stats, **is_stats, "health/reward_errors": reward_errors,
+                  "health/nonfinite_steps": run.nonfinite_steps,
+                  "time/rollout_s": m.get("time/rollout_s", self.seconds["rollout_s"]),
                   "time/train_s": now - self.update_t0 - sync_s - m["time/token_records_s"],
                   "time/weight_sync_s": sync_s, "time/log_probs_s": self.seconds["log_probs_s"],
                   "time/tokens_per_s": sum(len(r.response_ids) for r in groups.rollouts) / max(now - self.t0, 1e-9)})

@@ -112,3 +112,70 @@ def _assemble(groups: list, samples_drawn: int, stats: dict) -> ScoredGroups:
         scores.extend(g_scores)
         rewards.append(g_rewards)
     return ScoredGroups(rollouts, scores, torch.cat(rewards), examples, samples_drawn, stats)
+
+
+# ---------------------------------------------------------------- asynchronous rollouts (max_staleness >= 1)
+
+
+def encode_groups(groups: ScoredGroups) -> dict:
+    """A scored batch as plain checkpoint state (lists, dicts, tensors: what ``weights_only`` loads)."""
+    return {"rollouts": [dataclasses.asdict(r) for r in groups.rollouts], "scores": groups.scores,
+            "rewards": groups.rewards, "examples": [dataclasses.asdict(e) for e in groups.examples],
+            "samples_drawn": groups.samples_drawn, "stats": groups.stats}
+
+
+def decode_groups(state: dict) -> ScoredGroups:
+    from ..data.datasets import Example
+    from ..rollout import Rollout
+
+    return ScoredGroups([Rollout(**r) for r in state["rollouts"]], list(state["scores"]), state["rewards"],
+                        [Example(**e) for e in state["examples"]], int(state["samples_drawn"]), dict(state["stats"]))
+
+
+class LockedScorer:
+    """A reward scorer shared by the rollout producer's thread and the trainer's (validation): one
+    ``score`` at a time; every other attribute is the scorer's."""
+
+    def __init__(self, scorer):
+        import threading
+
+        self._scorer, self._lock = scorer, threading.Lock()
+
+    def score(self, *args, **kwargs):
+        with self._lock:
+            return self._scorer.score(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._scorer, name)
+
+
+class StagedWeights:
+    """``stage``/``load_staged`` for a backend that only has ``sync_weights`` (a vLLM server): staged
+    weights are held as a CPU copy until the producer loads them between two batches."""
+
+    def __init__(self, backend):
+        self.backend, self._weights = backend, None
+
+    def stage(self, weights) -> None:
+        self._weights = {name: value.detach().to("cpu", copy=True) for name, value in weights}
+
+    def load_staged(self) -> None:
+        weights, self._weights = self._weights, None
+        self.backend.sync_weights(None, weights=iter(weights.items()))
+
+
+def sampler_backend(cfg, model, tokenizer, make, generator):
+    """The backend an asynchronous run samples with (its own weights), the object that stages and
+    loads its weights, and ``reseed(b)`` (each batch's draws seeded from the run's seed and b, so a
+    resumed run draws what the uninterrupted one drew)."""
+    seed_of = lambda b: (cfg.seed * 1_000_003 + b) % 2**63  # noqa: E731
+    if cfg.rollout_backend == "hf":
+        from ..rollout.process import ProcessRolloutBackend
+
+        backend = ProcessRolloutBackend(model, tokenizer, threads=cfg.sampler_threads,
+                                        max_batch_size=cfg.rollout_max_batch_size,
+                                        autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+                                        seed=cfg.seed)
+        return backend, backend, lambda b: backend.reseed(seed_of(b))
+    backend = make()
+    return backend, StagedWeights(backend), lambda b: generator.manual_seed(seed_of(b))

@@ -58,7 +58,9 @@ class RunModel:
         self.dist.replica = self.replica
         # a vLLM engine holds its own copy, streamed after each update (``sync``): the plain copy is
         # refreshed only where it is read (validation's samples, final/), not after every step
-        self.engine_holds_weights = getattr(cfg, "rollout_backend", "hf") == "vllm"
+        # (a vLLM server; with max_staleness >= 1, a sampler process) holds its own copy too
+        self.engine_holds_weights = getattr(cfg, "rollout_backend", "hf") in ("vllm", "vllm_server") \
+            or getattr(cfg, "max_staleness", 0) > 0
         self.stale = True
         self.refresh()
 

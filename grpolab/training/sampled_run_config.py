@@ -49,9 +49,17 @@ class SampledRunConfig(RunConfig):
     # --- Generation backend: hf or vllm
     rollout_max_batch_size: int = Field(256, ge=1)
     """Rows sampled at once, whatever group_size is: lower it when sampling runs out of memory."""
-    rollout_backend: Literal["hf", "vllm"] = "hf"
-    """hf: the training model samples; vllm: a vLLM engine in this process with its own copy of the weights,
-    synced in place after each update (GRPO only)."""
+    rollout_backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    """hf: the training model samples (with max_staleness >= 1: a copy in a sampler process); vllm: a vLLM engine
+    in this process with its own copy of the weights, synced in place after each update; vllm_server: a `vllm
+    serve` process (started by grpolab, or vllm_server_url), its weights moved by vLLM's weight-transfer protocol
+    (GRPO only)."""
+    vllm_server_url: str | None = None
+    """vllm_server: the base URL of a running `vllm serve` (e.g. http://127.0.0.1:8000) started with grpolab's
+    weight-transfer engine; null: grpolab starts one on a free local port and stops it at the end."""
+    vllm_server_timeout_s: float = Field(300.0, gt=0)
+    """vllm_server: seconds to wait for the server to start and for one request; past it the run stops with one
+    line (resumable from its last checkpoint)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM: the share of GPU memory for its weights and KV cache."""
     vllm_max_model_len: int | None = Field(None, ge=1)
@@ -72,10 +80,10 @@ class SampledRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _check_sampling(self):
-        if self.rollout_backend == "vllm" and not self.samples_with_vllm:
+        if self.rollout_backend != "hf" and not self.samples_with_vllm:
             # the message names the commands whose trainers sync an engine (grpo's config sets samples_with_vllm)
-            raise ValueError(f"rollout_backend 'vllm' is supported by grpo and grpolab eval; {self.command} samples "
-                             "with the training model: use rollout_backend 'hf'")
+            raise ValueError(f"rollout_backend '{self.rollout_backend}' is supported by grpo and grpolab eval; "
+                             f"{self.command} samples with the training model: use rollout_backend 'hf'")
         if self.sampling_min_tokens > self.sampling_max_tokens:
             raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens "
                              f"({self.sampling_max_tokens})")
@@ -93,9 +101,12 @@ class SampledRunConfig(RunConfig):
 
     def backend_options(self) -> dict:
         """Keywords for ``rollout.make_backend`` beyond the model: the vLLM knobs for ``vllm``."""
-        if self.rollout_backend != "vllm":
+        if self.rollout_backend == "hf":
             return {}
-        return dict(gpu_memory_utilization=self.vllm_gpu_memory_utilization, max_model_len=self.vllm_max_model_len,
+        server = {} if self.rollout_backend == "vllm" else dict(
+            server_url=self.vllm_server_url, timeout_s=self.vllm_server_timeout_s)
+        return server | dict(gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+                    max_model_len=self.vllm_max_model_len,
                     tensor_parallel_size=self.vllm_tensor_parallel_size,
                     enable_sleep_mode=self.vllm_enable_sleep_mode,
                     dtype=self.dtype if self.vllm_dtype == "auto" else self.vllm_dtype,

@@ -50,6 +50,12 @@ TRAINERS = {
              "--eval-examples", "2", "--eval-every", "1", "--task-train-size", "20", "--warmup-steps", "0",
              "--learning-rate", "1e-3", "--reward", "tests.helpers.reward_fixtures:reward_any_digit", "--keep-last",
              "10"],
+    # asynchronous: a sampler process two policy versions ahead; its in-flight batches are in the checkpoint
+    "grpo_async": ["grpo", "--n-grpo-steps", N_STEPS, "--rollout-batch-size", "8", "--group-size", "4",
+                   "--train-batch-size", "8", "--gradient-accumulation-steps", "1", "--sampling-max-tokens", "8",
+                   "--sampling-min-tokens", "1", "--eval-examples", "2", "--eval-every", "1", "--task-train-size",
+                   "20", "--warmup-steps", "0", "--learning-rate", "1e-3", "--reward",
+                   "tests.helpers.reward_fixtures:reward_any_digit", "--max-staleness", "2"],
     "ppo": ["ppo", "--n-ppo-steps", N_STEPS, "--rollout-batch-size", "8", "--group-size", "2", "--train-batch-size",
             "4", "--ppo-epochs", "1", "--task-train-size", "20", "--eval-examples", "2", "--eval-every", "1",
             "--sampling-max-tokens", "8", "--sampling-min-tokens", "1", "--learning-rate", "1e-3", "--reward",
@@ -233,6 +239,7 @@ def grpo_full(tmp_path_factory):
 
 @pytest.mark.parametrize("trainer", [
     "grpo",
+    "grpo_async",  # the resumed run trains on the saved in-flight batches, then generates what the full run did
     "sft",  # cosine schedule with warm-up: the resumed step must use the saved learning rate
     "ei",
     "ppo",
