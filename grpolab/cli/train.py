@@ -48,6 +48,7 @@ OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace a run already i
 def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     """Build the command's config from the file and the --field value overrides, train, return the
     result; a user error is one line on stderr and exit code 2, Ctrl-C one line and exit code 130."""
+    from ..rollout import RolloutBackendError
     from ..training.run import RunInterrupted
 
     _quiet_hf()
@@ -65,20 +66,26 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
         typer.echo(f"grpolab: {exc}", err=True)
         raise typer.Exit(130)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say where the run can continue from
-        from ..training.checkpoints import CheckpointManager
-        from ..training.run_dir import CHECKPOINTS_DIR
-
-        newest = CheckpointManager(Path(cfg.run_dir) / CHECKPOINTS_DIR).latest()
-        where = (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
-                 else "no checkpoint was written")
-        typer.echo(f"grpolab: stopped at once; {where}", err=True)
+        typer.echo(f"grpolab: stopped at once; {_continue_from(cfg, command)}", err=True)
         raise typer.Exit(130)
+    except RolloutBackendError as exc:  # the sampler process or the vLLM server died: resumable
+        _fail(f"{exc}; {_continue_from(cfg, command)}")
     except _user_errors() as exc:
         _fail(str(exc))
     except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch
         if _disk_full(exc):
             _fail(f"no space left on device: {getattr(exc, 'filename', None) or cfg.run_dir}")
         raise
+
+
+def _continue_from(cfg, command: str) -> str:
+    """Where the run can continue from: its newest checkpoint and the command, or that there is none."""
+    from ..training.checkpoints import CheckpointManager
+    from ..training.run_dir import CHECKPOINTS_DIR
+
+    newest = CheckpointManager(Path(cfg.run_dir) / CHECKPOINTS_DIR).latest()
+    return (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
+            else "no checkpoint was written")
 
 
 def _disk_full(exc: BaseException) -> bool:

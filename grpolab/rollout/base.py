@@ -15,6 +15,11 @@ from typing import Protocol, Sequence
 FINISH_REASONS = ("stop", "eos", "length")
 
 
+class RolloutBackendError(RuntimeError):
+    """A backend in a process of its own (a sampler process, a vLLM server) died or stopped answering;
+    the message is one line. The run stops; its newest checkpoint resumes it."""
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings, named as in vLLM.

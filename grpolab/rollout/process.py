@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .base import Rollout, SamplingParams
+from .base import Rollout, RolloutBackendError, SamplingParams
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def _main_module_hidden():
             main.__dict__.update(saved)
 
 
-class SamplerProcessError(RuntimeError):
+class SamplerProcessError(RolloutBackendError):
     """The sampler process died or could not start; the message is one line."""
 
 
@@ -142,7 +142,7 @@ class ProcessRolloutBackend:
         try:
             self._conn.send((command, args))
         except (BrokenPipeError, OSError):
-            raise SamplerProcessError(f"the sampler process is gone (exit code {self.process.exitcode}) "
+            raise SamplerProcessError(f"the sampler process died (exit code {self.process.exitcode}) "
                                       f"before {command}") from None
         return self._receive(command)
 
