@@ -60,6 +60,7 @@ class StepClock:
                   "time/rollout_s": m.get("time/rollout_s", self.seconds["rollout_s"]),
                   "time/train_s": now - self.update_t0 - sync_s - m["time/token_records_s"],
                   "time/weight_sync_s": sync_s, "time/log_probs_s": self.seconds["log_probs_s"],
+                  "time/elapsed_s": now - run.wall,
                   "time/tokens_per_s": sum(len(r.response_ids) for r in groups.rollouts) / max(now - self.t0, 1e-9)})
         if sync_s and run.weights.engine_holds_weights:  # the most bytes beyond the shard a sync held at once
             m["memory/weight_sync_gathered_mb_max"] = run.weights.gathered_peak_bytes / 2**20

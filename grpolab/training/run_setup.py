@@ -5,6 +5,7 @@ the CPU threads, the model — from the checkpoint it resumes from, else the one
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 
@@ -44,9 +45,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
-    """On a CPU: torch's threads (``cfg.threads``, else what a short probe finds faster, when ``probe``)."""
+    """On a CPU: torch's threads (``cfg.threads``, else what a short probe finds faster, when ``probe``).
+    With a sampler process (``max_staleness >= 1``, the hf backend) and neither ``threads`` nor
+    ``OMP_NUM_THREADS`` given, the trainer takes the cores the sampler's ``sampler_threads`` leave."""
     if device.type == "cpu":
-        _, line = choose_cpu_threads(cfg.threads, probe=probe)
+        threads = cfg.threads
+        if threads is None and getattr(cfg, "max_staleness", 0) and getattr(cfg, "rollout_backend", "hf") == "hf" \
+                and not os.environ.get("OMP_NUM_THREADS"):
+            threads = max(1, torch.get_num_threads() - cfg.sampler_threads)
+            print(f"grpolab: torch threads: {threads} for the trainer, {cfg.sampler_threads} for the sampler "
+                  "process (set threads and sampler_threads to choose)", file=sys.stderr)
+        _, line = choose_cpu_threads(threads, probe=probe)
         if line:
             print(f"grpolab: {line}", file=sys.stderr)
 

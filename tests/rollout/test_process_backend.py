@@ -42,7 +42,8 @@ def in_process(model, tok, seed: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed)).generate(PROMPTS, 3, SAMPLING)
+        backend = HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed))
+        return backend.generate(PROMPTS, 3, SAMPLING)
     finally:
         torch.set_num_threads(threads)
 

@@ -24,7 +24,8 @@ def sampled_by(model, tok, seed: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the sampler process's thread count: the same arithmetic
     try:
-        return HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed)).generate(PROMPTS, 2, SAMPLING)
+        backend = HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed))
+        return backend.generate(PROMPTS, 2, SAMPLING)
     finally:
         torch.set_num_threads(threads)
 
