@@ -389,6 +389,8 @@ def train_grpo(
                 stager, cfg.max_staleness, lambda b: produce(backend, scorer, data, inputs, cfg, sampling),
                 data, encode_groups, decode_groups, reseed))
             run.track("data", ConsumedData(data, rollouts))  # checkpoints: the position after the consumed batch
+            run.on_close(rollouts.close)  # however the run ends: the producer stops, the sampler process goes
+            run.on_close(backend.close)
             eval_backend = CurrentPolicy(run, make_backend("hf", run.sampling_model, tokenizer,
                                                            max_batch_size=cfg.rollout_max_batch_size))
         else:
@@ -442,6 +444,8 @@ def train_grpo(
             log_step(run, health, update, m, scorer.last_error, step)
             if cfg.max_rollout_samples and clock.samples.items[0] >= cfg.max_rollout_samples:
                 run.total_steps = step + 1  # the sample budget is spent: this is the last step
+                if cfg.max_staleness:
+                    rollouts.limit(run.total_steps)
             run.end_step(step + 1, validate)
             if step + 1 >= run.total_steps:
                 break

@@ -182,20 +182,30 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     policy's, once per rollout batch; with the correction, the IS weights and their figures."""
     rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
     correct = cfg.is_correction != "none"
+    needed = None  # on-policy, the IS weights matter only on rows that reach the loss: the others are not forwarded
+    if correct and not cfg.off_policy and not distributed.current().sharded:
+        signal = trained_signal(batch, cfg)
+        regularised = ref_model is not None or cfg.entropy_coef > 0 or not cfg.skip_zero_advantage
+        needed = batch.response_mask.any(1) & ((signal != 0) | regularised)
     if cfg.off_policy or correct:
+        only = None if needed is None or bool(needed.all()) else needed.nonzero().flatten().tolist()
         batch.old_log_probs = batched_log_probs(run.model, batch, rows_per_pass, run.device, run.autocast,
-                                                cfg.policy_temperature)
-        batch.pre_update_log_probs = batch.old_log_probs
+                                                cfg.policy_temperature, only=only, fill=batch.sampler_log_probs)
+        # the trainer's log-prob of every sampled token, for the mismatch figure, where every row was forwarded
+        batch.pre_update_log_probs = batch.old_log_probs if only is None else None
     if ref_model is not None:
         batch.ref_log_probs = batched_log_probs(ref_model, batch, rows_per_pass, run.device, run.autocast,
                                                 cfg.policy_temperature)
     if not correct:
         return {}
+    mask = batch.response_mask if needed is None else batch.response_mask & needed.unsqueeze(1)
     batch.is_weights, stats = importance_sampling_weights(
-        batch.old_log_probs, batch.sampler_log_probs, batch.response_mask, mode=cfg.is_correction,
+        batch.old_log_probs, batch.sampler_log_probs, mask, mode=cfg.is_correction,
         level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap)
     if not cfg.off_policy:
         batch.old_log_probs = None  # on-policy: the ratio is computed against the current forward
+    if not distributed.all_reduce(int(mask.any()), "max"):
+        return {}  # no row reaches the loss: nothing was measured, which is no figure (not a ratio of 0)
     return {f"train/{k}": float(v) for k, v in stats.items()}
 
 

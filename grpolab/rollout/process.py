@@ -26,6 +26,7 @@ import contextlib
 import copy
 import os
 import sys
+import threading
 from typing import Iterable, Sequence
 
 import torch
@@ -119,6 +120,7 @@ class ProcessRolloutBackend:
             self.process.start()
         child.close()
         self._closed = False
+        self._lock = threading.Lock()  # one call on the pipe at a time (a producer thread and the trainer's)
         self._receive("start")
 
     # ---------------------------------------------------------------- the child
@@ -137,14 +139,15 @@ class ProcessRolloutBackend:
         return value
 
     def _call(self, command: str, *args):
-        if self._closed:
-            raise SamplerProcessError("the sampler process was closed")
-        try:
-            self._conn.send((command, args))
-        except (BrokenPipeError, OSError):
-            raise SamplerProcessError(f"the sampler process died (exit code {self.process.exitcode}) "
-                                      f"before {command}") from None
-        return self._receive(command)
+        with self._lock:
+            if self._closed:
+                raise SamplerProcessError("the sampler process was closed")
+            try:
+                self._conn.send((command, args))
+            except (BrokenPipeError, OSError):
+                raise SamplerProcessError(f"the sampler process died (exit code {self.process.exitcode}) "
+                                          f"before {command}") from None
+            return self._receive(command)
 
     # ---------------------------------------------------------------- the interface
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
@@ -181,19 +184,24 @@ class ProcessRolloutBackend:
         return model_end_ids(self.model, self.tokenizer)
 
     def close(self) -> None:
-        """Stop the child (asked first, then terminated); safe to call twice."""
+        """Stop the child: asked to, when no call is in progress (else, after 5 s, killed, which ends
+        that call with an error); safe to call twice."""
         if self._closed:
             return
+        idle = self._lock.acquire(timeout=5)
         try:
-            if self.process.is_alive():
+            if idle and self.process.is_alive():
                 self._conn.send(("close", ()))
                 if self._conn.poll(10):
                     self._conn.recv()
         except (BrokenPipeError, OSError, EOFError):
             pass
-        self._closed = True
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self._conn.close()
+        finally:
+            self._closed = True
+            if not idle or self.process.is_alive():
+                self.process.join(0 if not idle else 10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+            if idle:
+                self._lock.release()

@@ -194,6 +194,12 @@ class AsyncRollouts:
             self._cond.notify_all()
         return waited
 
+    def limit(self, total: int) -> None:
+        """The run ends after ``total`` batches (a sample budget spent): produce none past it."""
+        with self._cond:
+            self._total = min(self._total, total)
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop producing (the batch being generated is abandoned with the backend)."""
         with self._cond:

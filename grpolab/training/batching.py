@@ -163,18 +163,21 @@ def make_rollout_batch(rollouts, raw_rewards: torch.Tensor, advantages: torch.Te
 
 @torch.no_grad()  # not inference_mode: FSDP2's all-gather buffers made in it could not be written again
 def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, autocast, temperature: float,
-                      token_budget: int | None = None) -> torch.Tensor:
+                      token_budget: int | None = None, only: list[int] | None = None,
+                      fill: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs of every row of a rollout batch without gradients (old policy, reference).
 
     At most ``rows_per_pass`` rows per forward, and (in one process or under DDP) at most
     ``token_budget`` padded tokens (default ``core.logprobs.INFERENCE_TOKEN_BUDGET``); the logits
     themselves are chunked by ``response_log_probs``. Under FSDP2/ZeRO-3 a forward is a
-    collective, so every rank keeps the same fixed slices of ``rows_per_pass`` rows."""
+    collective, so every rank keeps the same fixed slices of ``rows_per_pass`` rows. ``only``: just
+    those rows (one process or DDP), the others copied from ``fill``."""
     tensors = batch.tensors()
-    out = torch.zeros(batch.labels.shape)
+    out = torch.zeros(batch.labels.shape) if fill is None else fill.clone()
     lengths = [len(p) + len(r) - 1 for p, r, _ in batch.sequences]
-    for start in range(0, len(batch.sequences), rows_per_pass):
-        rows = list(range(start, min(len(batch.sequences), start + rows_per_pass)))
+    every = list(range(len(batch.sequences))) if only is None or distributed.current().sharded else list(only)
+    for start in range(0, len(every), rows_per_pass):
+        rows = every[start : start + rows_per_pass]
         groups = [rows] if distributed.current().sharded else [
             [rows[i] for i in group] for group in pack_rows([lengths[r] for r in rows], token_budget)]
         for group in groups:

@@ -70,6 +70,7 @@ class Run:
                  check_inputs=None, load_model=None):
         self._load_model = load_model or load_model_and_tokenizer
         self.wall = time.perf_counter()
+        self._on_close: list[Callable[[], Any]] = []
         self.cfg, self.step_key, self.total_steps = cfg, cfg.step_key, cfg.total_steps
         self.path = Path(cfg.run_dir)
         self.claim = None  # the run directory's lock (rank 0), taken before anything in it is touched
@@ -314,6 +315,9 @@ class Run:
         """End the run. ``failed``: an exception is leaving it, perhaps on this rank alone, so the
         process group is left without a barrier: a rank waiting there for ranks that are waiting in
         a training collective would hang until gloo's timeout instead of exiting for torchrun to see."""
+        for callback in self._on_close:  # e.g. a sampler process, whatever way the run ends
+            callback()
+        self._on_close.clear()
         self.bar.close()
         self.logger.close()
         if self._old_sigint is not None:
@@ -321,6 +325,10 @@ class Run:
             self._old_sigint = None
         distributed.teardown(barrier=not failed)
         self.claim.release()
+
+    def on_close(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback`` when the run closes (finished, stopped or failed), in the order given."""
+        self._on_close.append(callback)
 
     def __enter__(self) -> Run:
         return self
