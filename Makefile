@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real clean
+.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-async clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -126,6 +126,11 @@ $(BENCH_STAMP): pyproject.toml
 # the model comes from the same cache as make test-real. ARGS e.g. ARGS="--rounds 1 --steps 1".
 bench-real: setup $(BENCH_STAMP)
 	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BENCH_BIN)/python benchmarks/real_model.py $(ARGS)
+
+# Asynchronous GRPO against synchronous on SmolLM2-135M-Instruct (benchmarks/async.py): completions/s, idle
+# shares, staleness and held-out accuracy; alone on the machine (each setting is a 2-core run). ARGS e.g. ARGS="--steps 4".
+bench-async: setup
+	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BIN)/python benchmarks/async.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) runs .pytest_cache .hypothesis

@@ -395,6 +395,8 @@ def train_grpo(
                                                            max_batch_size=cfg.rollout_max_batch_size))
         else:
             backend = eval_backend = with_env(make())
+            if cfg.rollout_backend == "vllm_server":  # however the run ends, the server it started stops
+                run.on_close(backend.close)
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)
         validate = validation(run, eval_backend, inputs, cfg, scorer)

@@ -161,7 +161,7 @@ class StagedWeights:
 
     def load_staged(self) -> None:
         weights, self._weights = self._weights, None
-        self.backend.sync_weights(None, weights=iter(weights.items()))
+        self.backend.sync_weights(getattr(self.backend, "model", None), weights=iter(weights.items()))
 
 
 def sampler_backend(cfg, model, tokenizer, make, generator):

@@ -103,6 +103,10 @@ class Run:
         self.env = build_run_env(cfg, self.tokenizer)  # tools, retrieval index: built before the directory is touched
         if getattr(cfg, "rollout_backend", "hf") == "vllm":  # the backend's options, before anything is touched
             check_vllm_options(**cfg.backend_options())
+        elif getattr(cfg, "rollout_backend", "hf") == "vllm_server":
+            from ..rollout.vllm_server import check_vllm_server_options
+
+            check_vllm_server_options(**cfg.backend_options())
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
         if self.is_main:

@@ -92,8 +92,8 @@ def test_sample_budget_ends_the_run_and_the_is_ratio_is_one_for_hf(tmp_path):
     assert [r["train/samples_drawn"] for r in train] == [16, 32]  # the budget of 32 samples ends the run
     # the hf sampler is the trainer: the IS ratio is 1 up to float error, so nothing is truncated
     measured = [r for r in train if "train/is_ratio_mean" in r]
-    assert len(measured) == len(train) and all(abs(r["train/is_ratio_mean"] - 1) < 1e-4 and r["train/is_truncated_fraction"] == 0
-                            for r in measured)
+    assert len(measured) == len(train)
+    assert all(abs(r["train/is_ratio_mean"] - 1) < 1e-4 and r["train/is_truncated_fraction"] == 0 for r in measured)
 
 
 def test_truncated_completions_leave_the_loss(tmp_path):

@@ -144,3 +144,21 @@ def test_a_lora_runs_final_adapter_loads_in_grpolab_eval(smollm2_dir, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["questions"] == 2
+
+
+def test_async_grpo_on_the_real_model_samples_in_its_own_process_with_the_trainers_weights(smollm2_dir, tmp_path):
+    """max_staleness 1: the sampler process's log-probs of the first batch (version 0, both sides the
+    same weights) equal the trainer's; later batches are one version behind, and logged so."""
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+
+    cfg = GRPOConfig(model=str(smollm2_dir), task="arithmetic", task_options={"num_ops": 1}, task_train_size=40,
+                     run_dir=str(tmp_path / "a"), n_grpo_steps=3, rollout_batch_size=8, group_size=4,
+                     train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-4, warmup_steps=0,
+                     sampling_max_tokens=24, sampling_min_tokens=1, eval_examples=4, show_progress=False,
+                     device="cpu", max_staleness=1, threads=1, skip_zero_advantage=False)
+    train_grpo(cfg)
+    steps = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+             if '"train/reward"' in line]
+    assert [s["async/staleness_max"] for s in steps] == [0, 1, 1]
+    assert steps[0]["health/logprob_mismatch_tokens"] > 0 and steps[0]["health/logprob_mismatch"] < 1e-4, steps[0]
+    assert all(s["async/behaviour_logprob_gap"] > steps[0]["health/logprob_mismatch"] for s in steps[1:]), steps

@@ -1,0 +1,615 @@
+"""Rollouts from a vLLM server (``vllm serve``) in its own processes, over its HTTP API.
+
+Where the colocated backend (``rollout.vllm``) runs the engine inside the trainer, this one talks
+to a server: one grpolab starts (``server_url`` None: ``python -m grpolab.rollout.vllm_serve serve``
+on a free port of 127.0.0.1, in its own process group, logging to a file of a temporary
+directory; stopped by ``close``) or one already running at ``server_url`` (never stopped here).
+What ``generate`` returns is exactly what the colocated backend returns (read its docstring): the
+exact sampled ids, the sampler's ``processed_logprobs`` log-probs, finish reasons, stop strings,
+``min_tokens`` rules, seeds ``base + p * n`` and the too-long prompt error. Each prompt is one
+``/v1/completions`` request with its token ids as the prompt (``return_token_ids`` for the ids,
+``logprobs: 0`` for the sampled token's log-prob, vLLM's extra parameters for the rest), sent
+together from a thread pool so the server batches them.
+
+The server holds its own copy of the weights. It starts from the policy's config and tokenizer
+only (``--load-format dummy``) and gets the weights with the first ``sync_weights``, as the
+colocated engine does, through vLLM's weight-transfer protocol: ``/init_weight_transfer_engine``
+once, then per sync ``/start_weight_update``, ``/update_weights`` (several chunks),
+``/finish_weight_update``, and ``/reset_prefix_cache`` so no KV computed with the old weights is
+reused. The bytes go by vLLM's NCCL engine on a CUDA machine (one parameter per chunk, broadcast
+while the worker receives it) and by grpolab's shared-memory engine on a CPU (``vllm_serve``
+says why that one): a file in ``/dev/shm`` the trainer fills chunk by chunk and the server's
+worker maps. Either way the stream of ``(name, tensor)`` pairs is read once, one parameter at a
+time: nothing holds more than one parameter and a chunk buffer (``CHUNK_BYTES``, or one larger
+parameter). A sync takes ~0.07 s for the embedded tiny model and ~2-3.5 s for SmolLM2-135M
+(540 MB in float32, 9 chunks) on a 2-core AMD EPYC with AVX2. (The NCCL path follows vLLM's NCCL
+engine and has not run here: these machines have no GPU.)
+
+Failures are one line, never a hang: every HTTP call has a timeout (``timeout_s``, the longest
+the server may go without answering), and while it waits the backend checks that the server
+process it started is alive; if it is not, ``VLLMServerError`` says the server at its URL died,
+with its exit code and the last lines of its log.
+
+CPU threads: the server's worker runs ``server_threads`` OpenMP threads (1 by default), bound to
+the last cores this process may use, so on a 2-core machine one core generates while the other
+trains (``VLLM_CPU_OMP_THREADS_BIND``, when set, wins).
+
+Under torchrun: rank 0 starts the server (or every rank connects to ``server_url``) and tells
+the others its URL; every rank samples its own prompts through it; only rank 0 moves weights —
+the other ranks still read the weight stream to its end (gathering a sharded parameter is a
+collective) — and all ranks then wait for one another, so that none samples before the new
+weights are in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+import weakref
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .base import Rollout, RolloutBackendError, SamplingParams, model_end_ids, prompt_token_ids
+from .vllm import _engine_dir, vllm_unavailable_reason
+
+CHUNK_BYTES = 64 << 20  # the shared-memory buffer: one chunk of parameters per /update_weights
+SERVED_NAME = "grpolab"
+LOG_TAIL_LINES = 6
+POLL_S = 0.2  # how often a wait checks the server process
+# set for a server grpolab starts: each of its processes dies with its parent (``vllm_serve``)
+DIE_WITH_PARENT_ENV = "GRPOLAB_VLLM_DIE_WITH_PARENT"
+
+
+class VLLMServerError(RolloutBackendError):
+    """The vLLM server died or stopped answering (one line: its URL, and for a server grpolab
+    started, its exit code and the end of its log)."""
+
+
+class _Refused(Exception):
+    """The server answered with an HTTP error (a bad request, an engine error)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def check_vllm_server_options(server_url: str | None = None, enable_sleep_mode: bool = False,
+                              tensor_parallel_size: int = 1, **_) -> None:
+    """What can be known before any server starts: a URL that is one, and for a server grpolab
+    starts, vLLM importable here (it runs with this Python), sleep mode only with CUDA, no more
+    tensor-parallel ranks than GPUs. A one-line ValueError otherwise."""
+    if server_url is not None:
+        if not server_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_url must be an http(s) URL such as http://127.0.0.1:8000, "
+                             f"got {server_url!r}")
+        return
+    reason = vllm_unavailable_reason()
+    if reason:
+        raise ValueError(f"rollout_backend 'vllm_server': {reason}")
+    cuda = torch.cuda.is_available()
+    if enable_sleep_mode and not cuda:
+        raise ValueError("vllm_enable_sleep_mode needs a CUDA GPU (vLLM's CPU backend has no sleep mode); "
+                         "set it to false")
+    if cuda and tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(f"vllm_tensor_parallel_size ({tensor_parallel_size}) exceeds the {torch.cuda.device_count()} "
+                         "GPU(s) of this machine")
+
+
+# ---------------------------------------------------------------- HTTP
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server: no proxy
+
+
+def _http(url: str, body: dict | None, timeout: float, method: str | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        try:
+            parsed = json.loads(detail)
+            detail = parsed.get("error", {}).get("message") or parsed.get("detail") or parsed.get("error") or detail
+        except (ValueError, AttributeError):
+            pass
+        raise _Refused(exc.code, " ".join(str(detail).split())[:500]) from None
+    return json.loads(raw) if raw.strip() else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop the server's whole process group (its engine and workers too): SIGTERM, then SIGKILL."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = proc.pid  # the leader is gone (reaped); its group may still hold the engine
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _server_threads_env(env: dict, threads: int) -> None:
+    """The server's OpenMP threads: ``threads`` of them, bound to the last cores this process may use."""
+    env["OMP_NUM_THREADS"] = str(threads)
+    if "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return
+    chosen = cores[-threads:] if threads <= len(cores) else cores
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in chosen)
+
+
+# ---------------------------------------------------------------- weight senders
+
+
+class _SharedMemorySender:
+    """The trainer side of ``grpolab_shm`` (``vllm_serve``): parameters copied one by one into a
+    file in ``/dev/shm``, posted as a chunk whenever the next one would not fit."""
+
+    ALIGN = 64
+
+    def __init__(self, post, chunk_bytes: int = CHUNK_BYTES):
+        self.post, self.chunk_bytes = post, chunk_bytes
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.path = os.path.join(folder, f"grpolab-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.capacity, self.buffer, self.chunks_sent = 0, None, 0
+        probe, token = self.path + ".probe", uuid.uuid4().hex
+        Path(probe).write_text(token)
+        try:
+            self.post("/init_weight_transfer_engine", {"init_info": {"probe_path": probe, "token": token}},
+                      "the weight-transfer handshake")
+        finally:
+            os.unlink(probe)
+
+    def _reserve(self, nbytes: int) -> None:
+        """The file and its mapping hold at least ``nbytes`` (grown only for one parameter larger
+        than a chunk; the server maps the file at each chunk, whatever its size)."""
+        if nbytes <= self.capacity:
+            return
+        self.buffer = None
+        self.capacity = max(nbytes, self.chunk_bytes)
+        with open(self.path, "ab") as f:
+            f.truncate(self.capacity)
+        self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
+
+    def send(self, weights) -> None:
+        self.post("/start_weight_update", None, "start_weight_update")
+        chunk: dict[str, list] = {"names": [], "dtype_names": [], "shapes": [], "offsets": []}
+        used, self.chunks_sent = 0, 0
+        for name, tensor in weights:
+            t = tensor.detach()
+            t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+            nbytes = t.numel() * t.element_size()
+            if chunk["names"] and used + nbytes > self.chunk_bytes:
+                self._flush(chunk)
+                used = 0
+            self._reserve(used + nbytes)
+            self.buffer[used:used + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            chunk["names"].append(name)
+            chunk["dtype_names"].append(str(t.dtype).removeprefix("torch."))
+            chunk["shapes"].append(list(t.shape))
+            chunk["offsets"].append(used)
+            used += -(-nbytes // self.ALIGN) * self.ALIGN
+            del t, tensor  # the stream's tensor (a gathered shard) can go now
+        if chunk["names"]:
+            self._flush(chunk)
+        self.post("/finish_weight_update", None, "finish_weight_update")
+
+    def _flush(self, chunk: dict) -> None:
+        self.post("/update_weights", {"update_info": dict(chunk, path=self.path)}, "update_weights")
+        self.chunks_sent += 1
+        for v in chunk.values():
+            v.clear()
+
+    def close(self) -> None:
+        self.buffer = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class _NcclSender:
+    """The trainer side of vLLM's NCCL engine: this process is rank 0 of a group with the server's
+    workers; each parameter is broadcast while the workers receive it in ``/update_weights``."""
+
+    def __init__(self, post, pool: ThreadPoolExecutor, workers: int, local: bool):
+        from vllm.distributed.weight_transfer.nccl_common import (
+            NCCLWeightTransferInitInfo,
+            worker_init_payload,
+        )
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_endpoint
+
+        self.post, self.pool = post, pool
+        address = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        port = _free_port()
+        info = NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
+                                          world_size=workers + 1, packed=False)
+        future = pool.submit(post, "/init_weight_transfer_engine", {"init_info": worker_init_payload(info)},
+                             "the NCCL weight-transfer handshake")
+        self.group = open_endpoint({"master_address": address, "master_port": port, "world_size": workers + 1})
+        future.result()
+
+    def send(self, weights) -> None:
+        self.post("/start_weight_update", None, "start_weight_update")
+        stream = torch.cuda.current_stream()
+        for name, tensor in weights:
+            t = tensor.detach().to("cuda").contiguous()
+            info = {"names": [name], "dtype_names": [str(t.dtype).removeprefix("torch.")], "shapes": [list(t.shape)]}
+            future = self.pool.submit(self.post, "/update_weights", {"update_info": info}, "update_weights")
+            self.group.broadcast(t, src=0, stream=stream)
+            stream.synchronize()
+            future.result()
+            del t, tensor
+        self.post("/finish_weight_update", None, "finish_weight_update")
+
+    def close(self) -> None:
+        if getattr(self, "group", None) is not None:
+            self.group.destroy()
+            self.group = None
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class VLLMServerBackend:
+    """``generate(prompts, n, sampling)`` through a vLLM server's HTTP API; ``sync_weights(model,
+    weights)`` after each update. The ``vllm_*`` knobs are the colocated backend's (passed to
+    ``vllm serve`` when grpolab starts the server, ignored when it connects to ``server_url``);
+    ``timeout_s``: the longest the server may take to start or go without answering;
+    ``server_threads``: the server's CPU threads; ``max_concurrency``: requests in flight at once.
+    ``max_batch_size`` and ``autocast_dtype`` are accepted for the common signature (vLLM batches)."""
+
+    def __init__(self, model, tokenizer, *, generator: torch.Generator | None = None, max_batch_size: int = 256,
+                 autocast_dtype=None, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, dtype: str = "float32",
+                 cpu_kvcache_space_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0,
+                 server_url: str | None = None, timeout_s: float = 300.0, server_threads: int = 1,
+                 max_concurrency: int = 64):
+        check_vllm_server_options(server_url, enable_sleep_mode, tensor_parallel_size)
+        if server_threads < 1:
+            raise ValueError(f"server_threads must be >= 1, got {server_threads}")
+        self.model, self.tokenizer, self.generator = model, tokenizer, generator
+        self.timeout_s, self.sleep_mode, self._asleep = float(timeout_s), enable_sleep_mode, False
+        self._stop_ids: dict[tuple[str, ...], dict[int, str]] = {}
+        self._proc: subprocess.Popen | None = None
+        self._dir, self._log_dir, self._sender, self._died = None, None, None, False
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency + 2, thread_name_prefix="grpolab-vllm-http")
+        dist = torch.distributed
+        self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._rank = dist.get_rank() if self._world > 1 else 0
+        self.last_sync_s = 0.0
+        self._turn = threading.Lock()  # a generate and a sync never overlap on the server
+        try:
+            if server_url is None:
+                url, error = None, None
+                if self._rank == 0:
+                    try:
+                        url = self._start(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
+                                          max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                                          enable_sleep_mode=enable_sleep_mode, dtype=dtype,
+                                          cpu_kvcache_space_gib=cpu_kvcache_space_gib, enforce_eager=enforce_eager,
+                                          seed=seed, server_threads=server_threads)
+                    except Exception as exc:  # every rank fails with the same line, none waits for a URL
+                        error = exc
+                url = self._share([url, None if error is None else f"{type(error).__name__}: {error}"], error)
+            else:
+                url = server_url.rstrip("/")
+            self.url = url
+            info = self._call("GET", "/v1/models", None, "the model list")
+            served = info["data"][0]
+            self.served_model, self.max_model_len = served["id"], int(served.get("max_model_len") or 0) or None
+            if self._rank == 0:
+                self._sender = self._make_sender(server_url is None)
+            self.sync_weights(model)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- the server process
+    def _share(self, payload: list, error: Exception | None) -> str:
+        """Rank 0's URL (or its failure) for every rank."""
+        if self._world > 1:
+            torch.distributed.broadcast_object_list(payload, src=0)
+        url, message = payload
+        if error is not None:
+            raise error
+        if message is not None:
+            raise VLLMServerError(f"rank 0 could not start the vLLM server: {message}")
+        return url
+
+    def _start(self, model, tokenizer, *, gpu_memory_utilization, max_model_len, tensor_parallel_size,
+               enable_sleep_mode, dtype, cpu_kvcache_space_gib, enforce_eager, seed, server_threads) -> str:
+        cuda = torch.cuda.is_available()
+        self._dir = _engine_dir(model, tokenizer)
+        self._log_dir = tempfile.mkdtemp(prefix="grpolab-vllm-server-")
+        self.log_path = Path(self._log_dir) / "server.log"
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "grpolab.rollout.vllm_serve", "serve", self._dir.name,
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+               "--load-format", "dummy", "--dtype", dtype, "--seed", str(seed),
+               "--gpu-memory-utilization", str(gpu_memory_utilization),
+               "--tensor-parallel-size", str(tensor_parallel_size),
+               "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+               "--disable-uvicorn-access-log"]
+        if max_model_len is not None:
+            cmd += ["--max-model-len", str(max_model_len)]
+        if (not cuda) if enforce_eager is None else enforce_eager:
+            cmd += ["--enforce-eager"]
+        if enable_sleep_mode:
+            cmd += ["--enable-sleep-mode"]
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env[DIE_WITH_PARENT_ENV] = "1"
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
+        # the server imports the grpolab this process runs
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        if not cuda:
+            _server_threads_env(env, server_threads)
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, start_new_session=True)
+        # a trainer that ends without close() still stops the server (at exit, or when collected)
+        self._reaper = weakref.finalize(self, _kill_group, self._proc)
+        self.url = url
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self._died = True
+                raise VLLMServerError(f"the vLLM server grpolab started at {url} exited with code {code} before "
+                                      f"it was ready; {self._log_tail()}")
+            try:
+                _http(url + "/health", None, timeout=2.0)
+                return url
+            except (OSError, _Refused):
+                pass
+            if time.monotonic() > deadline:
+                self._died = True  # its log stays: the error names it
+                raise VLLMServerError(f"the vLLM server grpolab started at {url} was not ready within "
+                                      f"{self.timeout_s:g} s (vllm_server_timeout_s); {self._log_tail()}")
+            time.sleep(0.5)
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [" ".join(line.split()) for line in self.log_path.read_text(errors="replace").splitlines()]
+        except OSError:
+            return f"its log {self.log_path} cannot be read"
+        tail = [line for line in lines if line][-LOG_TAIL_LINES:]
+        return f"its log {self.log_path} ends: " + " | ".join(tail)
+
+    def _make_sender(self, local: bool):
+        if torch.cuda.is_available():
+            workers = int(self._call("GET", "/get_world_size", None, "the world size")["world_size"])
+            return _NcclSender(self._post, self._pool, workers, local)
+        return _SharedMemorySender(self._post)
+
+    # ---------------------------------------------------------------- HTTP with a watch on the server
+    def _post(self, path: str, body: dict | None, what: str):
+        return self._call("POST", path, body, what)
+
+    def _call(self, method: str, path: str, body: dict | None, what: str):
+        return self._wait([self._pool.submit(_http, self.url + path, body, self.timeout_s, method)], what)[0]
+
+    def _wait(self, futures: list, what: str) -> list:
+        """The futures' results; a VLLMServerError as soon as the server is dead or has answered
+        nothing for ``timeout_s``."""
+        pending, last = set(futures), time.monotonic()
+        while pending:
+            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            for f in done:
+                if f.exception() is not None:
+                    for p in pending:
+                        p.cancel()
+                    raise self._failure(what, f.exception())
+            now = time.monotonic()
+            if done:
+                last = now
+            self._check_alive(what)
+            if pending and now - last > self.timeout_s:
+                for p in pending:
+                    p.cancel()
+                raise VLLMServerError(f"the vLLM server at {self.url} stopped answering: no reply to {what} in "
+                                      f"{self.timeout_s:g} s (vllm_server_timeout_s)")
+        return [f.result() for f in futures]
+
+    def _check_alive(self, what: str) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._died = True
+            raise VLLMServerError(f"the vLLM server at {self.url} died (exit code {self._proc.returncode}) during "
+                                  f"{what}; {self._log_tail()}")
+
+    def _failure(self, what: str, exc: BaseException) -> Exception:
+        if self._proc is not None:
+            # a dead server's connection errors arrive before its exit status: give it a moment
+            try:
+                self._proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                self._check_alive(what)
+            except VLLMServerError as dead:
+                return dead
+        if isinstance(exc, _Refused):
+            return RuntimeError(f"the vLLM server at {self.url} refused {what}: {exc}")
+        if isinstance(exc, (OSError, urllib.error.URLError)):
+            return VLLMServerError(f"the vLLM server at {self.url} stopped answering during {what} ({exc})")
+        return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+
+    # ---------------------------------------------------------------- weights
+    def sync_weights(self, model, weights=None) -> None:
+        """Send ``model``'s weights — or ``weights``, (name, tensor) pairs streamed one at a time, e.g.
+        gathered from shards or merged with an adapter — to the server and drop its prefix cache.
+        Rank 0 sends; the other ranks read the stream to its end; all wait for one another."""
+        t0 = time.perf_counter()
+        self.model = model
+        if weights is None:
+            weights = ((name, t.detach()) for name, t in model.state_dict().items())
+        if self._sender is None:
+            for _ in weights:  # gathering a sharded parameter is a collective: every rank takes part
+                pass
+        else:
+            with self._turn:
+                self._wake()
+                self._sender.send(iter(weights))
+                self._reset_prefix_cache()
+        if self._world > 1:
+            torch.distributed.barrier()  # no rank samples before the new weights are in
+        self.last_sync_s = time.perf_counter() - t0
+
+    def _reset_prefix_cache(self) -> None:
+        for _ in range(50):  # it fails while blocks are held; nothing runs during a sync, so only briefly
+            if (self._post("/reset_prefix_cache", None, "reset_prefix_cache") or {}).get("success", True):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the vLLM server at {self.url} would not reset its prefix cache after a weight sync")
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self._post("/wake_up", None, "wake_up")
+            self._asleep = False
+
+    def sleep(self) -> None:
+        """GPU with ``enable_sleep_mode``: the server frees its KV cache and offloads its weights
+        until the next sync or generate (rank 0 only; a no-op without sleep mode)."""
+        if self.sleep_mode and not self._asleep and self._rank == 0:
+            self._post("/sleep?level=1", None, "sleep")
+            self._asleep = True
+
+    def close(self) -> None:
+        """Stop the server grpolab started (its whole process group) and remove its files; a server
+        at ``server_url`` keeps running (its weight-transfer engine is released). Idempotent."""
+        sender, self._sender = getattr(self, "_sender", None), None
+        proc, self._proc = getattr(self, "_proc", None), None
+        if sender is not None:
+            if proc is None and getattr(self, "url", None):
+                try:  # a server we connected to: free its transfer engine for the next trainer
+                    _http(self.url + "/shutdown_weight_transfer_engine", {}, timeout=min(self.timeout_s, 10.0))
+                except Exception:
+                    pass
+            sender.close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if proc is not None:
+            self._reaper.detach()
+            _kill_group(proc)
+        if getattr(self, "_dir", None) is not None:
+            self._dir.cleanup()
+            self._dir = None
+        log_dir, self._log_dir = getattr(self, "_log_dir", None), None
+        if log_dir is not None and not self._died:  # a dead server's log stays where the error said
+            import shutil
+
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- generation
+    def end_ids(self) -> list[int]:
+        return model_end_ids(self.model, self.tokenizer)
+
+    def _single_token_stops(self, stops: Sequence[str]) -> dict[int, str]:
+        key = tuple(stops)
+        if key not in self._stop_ids:
+            encoded = {s: self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stops}
+            self._stop_ids[key] = {ids[0]: s for s, ids in encoded.items() if len(ids) == 1}
+        return self._stop_ids[key]
+
+    def _base_seed(self, sampling: SamplingParams) -> int:
+        if sampling.seed is not None:
+            return int(sampling.seed)
+        return int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+
+    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
+                 prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        ids = prompt_token_ids(self.tokenizer, prompts, prompt_ids)
+        if ids and min(len(i) for i in ids) == 0:
+            raise ValueError("an empty prompt cannot be continued")
+        if self.max_model_len is not None:
+            too_long = [i for i, p in enumerate(ids) if len(p) + sampling.max_tokens > self.max_model_len]
+            if too_long:
+                raise ValueError(f"prompt {too_long[0]} has {len(ids[too_long[0]])} tokens; with max_tokens "
+                                 f"{sampling.max_tokens} it exceeds vllm_max_model_len {self.max_model_len}")
+        single = self._single_token_stops(sampling.stop)
+        end_ids = self.end_ids()
+        base = self._base_seed(sampling)
+        # vLLM refuses n > 1 at temperature 0: greedy groups are n requests of one (identical) sample
+        per_request = 1 if sampling.temperature == 0 else n
+        copies = n // per_request
+        common = dict(model=self.served_model, n=per_request, temperature=sampling.temperature, top_p=sampling.top_p,
+                      max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, stop=list(sampling.stop),
+                      stop_token_ids=end_ids + [i for i in single if i not in end_ids],
+                      include_stop_str_in_output=True, logprobs=0, skip_special_tokens=True, return_token_ids=True,
+                      return_tokens_as_token_ids=True)
+        bodies = [dict(common, prompt=list(p), seed=base + i * n) for i, p in enumerate(ids) for _ in range(copies)]
+        with self._turn:
+            self._wake()
+            futures = [self._pool.submit(_http, self.url + "/v1/completions", b, self.timeout_s) for b in bodies]
+            outputs = self._wait(futures, f"a generate call of {len(futures)} requests")
+            self.sleep()
+        rollouts = []
+        for r, out in enumerate(outputs):
+            p = r // copies
+            for c in out["choices"]:
+                rollouts.append(self._rollout(prompts[p], ids[p], p, c, single))
+        return rollouts
+
+    @staticmethod
+    def _rollout(prompt: str, prompt_ids: list[int], index: int, c: dict, single: dict[int, str]) -> Rollout:
+        response_ids = [int(t) for t in c["token_ids"]]
+        logprobs = [float(lp) for lp in c["logprobs"]["token_logprobs"]]
+        text, stop_reason = c["text"], c.get("stop_reason")
+        if c["finish_reason"] == "length":
+            reason = "length"
+        elif isinstance(stop_reason, str) or stop_reason in single:
+            reason = "stop"
+            if stop_reason in single and not text.endswith(single[stop_reason]):
+                text += single[stop_reason]  # a special stop token is skipped in the text: keep it
+        else:
+            reason = "eos"
+        return Rollout(prompt=prompt, response=text, prompt_ids=list(prompt_ids), response_ids=response_ids,
+                       logprobs=logprobs, finish_reason=reason, prompt_index=index)
+
