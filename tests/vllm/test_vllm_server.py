@@ -292,6 +292,22 @@ class TestAServerReachedByURL:
         assert len(evals) >= 2  # validation sampled through the server too
         assert proc.poll() is None  # the run's close left the server running
 
+    def test_async_grpo_samples_through_the_server_one_version_behind(self, external, grpo_config):
+        """max_staleness 1 with the server: its first batch has the trainer's weights (a small mismatch),
+        later ones are one version behind (logged as the policy's lag, corrected by TIS)."""
+        from grpolab.algorithms.grpo import train_grpo
+        from tests.algorithms.test_grpo import step_records
+
+        url, proc = external
+        cfg = grpo_config(rollout_backend="vllm_server", vllm_server_url=url, vllm_server_timeout_s=120,
+                          n_grpo_steps=3, reward="tests.helpers.reward_fixtures:length_parity", sampling_min_tokens=0,
+                          max_staleness=1, skip_zero_advantage=False)
+        records = step_records(train_grpo(cfg))
+        assert [r["async/staleness_max"] for r in records] == [0, 1, 1]
+        assert records[0]["health/logprob_mismatch"] < 1e-4  # version 0 on both sides
+        assert all(r["async/behaviour_logprob_gap"] > 1e-3 and "train/is_ratio_mean" in r for r in records[1:])
+        assert proc.poll() is None
+
 
 # ---------------------------------------------------------------- the real model
 
