@@ -8,7 +8,9 @@ tokens, temperature 0.7), the same steps and seed in every setting. Settings:
 - ``async1``, ``async2``: ``max_staleness`` 1 / 2 with the hf sampler process, ``threads`` 1 for
   the trainer and ``sampler_threads`` 1 (one core generates while the other trains);
 - ``server1``: ``max_staleness`` 1 with ``rollout_backend: vllm_server`` (needs vLLM: run with
-  .venv-vllm's python; left out where vLLM cannot run).
+  .venv-vllm's python; left out where vLLM cannot run);
+- ``async1-s2``: ``max_staleness`` 1 with ``sampler_threads`` 2 (the sampler has both cores while the
+  trainer waits, three threads on two cores while both run).
 
 Each (setting, round) runs as its own ``grpolab grpo`` process; rounds alternate between the
 settings (sync, async1, async2, sync, ...) so a change in the machine's load falls on all of them.
@@ -44,6 +46,8 @@ SETTINGS = {
     "async1": ["--threads", "1", "--max-staleness", "1", "--sampler-threads", "1"],
     "async2": ["--threads", "1", "--max-staleness", "2", "--sampler-threads", "1"],
     "server1": ["--threads", "1", "--max-staleness", "1", "--rollout-backend", "vllm_server"],
+    # the sampler process with both cores' threads: it has the machine while the trainer waits (3 threads on 2 cores)
+    "async1-s2": ["--threads", "1", "--max-staleness", "1", "--sampler-threads", "2"],
 }
 
 

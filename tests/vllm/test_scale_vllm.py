@@ -84,6 +84,20 @@ def test_two_ranks_with_an_engine_each_sample_the_trainers_distribution_after_ev
     assert all(0 < g <= largest < whole / 4 for g in gathered), (gathered, largest, whole)
 
 
+def test_fsdp2_ranks_send_a_vllm_server_the_full_weights_one_layer_at_a_time(tmp_path):
+    """Two FSDP2 ranks, one `vllm serve` (rank 0 starts it, both sample through it): after every update
+    rank 0 streams the gathered weights to it by vLLM's weight-transfer protocol, never holding more
+    than a layer beyond its shard, and the server then samples the trainer's distribution."""
+    run_dir = tmp_path / "server"
+    server = [a if a != "vllm" else "vllm_server" for a in VLLM]
+    torchrun([*RUN, "--distributed", "fsdp2", *server, "--run-dir", str(run_dir)], timeout=500)
+    records = step_records(run_dir)
+    assert_exact_sampler(records, 3)
+    largest, whole = layer_mb(run_dir / "final")
+    gathered = [r["memory/weight_sync_gathered_mb_max"] for r in records]
+    assert all(0 < g <= largest < whole / 4 for g in gathered), (gathered, largest, whole)
+
+
 def test_sigkill_and_resume_with_an_engine_per_rank_ends_bit_identical(fsdp2_run, tmp_path):
     """The killed run's steps before the kill equal the whole run's (the seed reproduces the run),
     and its resumed end is the whole run's, bit for bit."""
