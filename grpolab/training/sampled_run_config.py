@@ -56,7 +56,7 @@ class SampledRunConfig(RunConfig):
     (GRPO only)."""
     vllm_server_url: str | None = None
     """vllm_server: the base URL of a running `vllm serve` (e.g. http://127.0.0.1:8000) started with grpolab's
-    weight-transfer engine; null: grpolab starts one on a free local port and stops it at the end."""
+    weight-transfer engine; null: the run starts one on a free local port and stops it at the end."""
     vllm_server_timeout_s: float = Field(300.0, gt=0)
     """vllm_server: seconds to wait for the server to start and for one request; past it the run stops with one
     line (resumable from its last checkpoint)."""
