@@ -16,7 +16,6 @@ old, reference) is of the distribution the sampler drew from.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Literal
 
@@ -33,11 +32,8 @@ from ..core import (
     policy_loss_names,
     whiten,
 )
-from ..envs import EnvBackend
 from ..rewards import RewardScorer
-from ..rollout import make_backend
 from ..training import distributed
-from ..training.async_rollouts import AsyncRollouts
 from ..training.batching import ExampleSampler, make_rollout_batch
 from ..training.health import PROBLEMS, HealthMonitor
 from ..training.inputs import load_inputs
@@ -49,16 +45,9 @@ from ..training.run_config import EnvOptions
 from ..training.run_model import frozen_copy
 from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder, empty_stats
+from .grpo_async import rollout_source
 from .grpo_metrics import StepClock, grpo_per_token, log_step, rollout_metrics
-from .grpo_sampling import (
-    LockedScorer,
-    ScoredGroups,
-    decode_groups,
-    encode_groups,
-    sample_groups,
-    sampler_backend,
-)
-from .grpo_update import Update, old_and_reference_log_probs, policy_update, trained_signal
+from .grpo_update import old_and_reference_log_probs, policy_update, trained_signal
 
 
 class GRPOConfig(PolicyUpdateConfig):
@@ -138,10 +127,8 @@ class GRPOConfig(PolicyUpdateConfig):
     variants); null: no limit."""
     # --- Asynchronous rollouts (training/async_rollouts.py)
     max_staleness: int = Field(0, ge=0)
-    """0: synchronous (each step samples with the current weights, then trains). k >= 1: a sampler with its own
-    weights (rollout_backend hf: a sampler process; vllm_server: the server) generates ahead, batch b under the
-    weights of step b - k exactly, while the trainer trains; the loss corrects with the sampler's log-probs
-    (importance_sampling_correction, tis by default). One process only (not under torchrun)."""
+    """0: synchronous. k >= 1: a sampler with its own weights (hf: a sampler process; vllm_server) samples batch b
+    under the weights of step b - k while the trainer trains; the loss corrects by the sampler's log-probs (tis)."""
     sampler_threads: int = Field(1, ge=1)
     """max_staleness >= 1 with rollout_backend hf: torch threads of the sampler process (1: one core generates
     while the trainer's `threads` train)."""
@@ -258,16 +245,6 @@ def group_advantages(raw_rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor
     return advantages[start : start + len(raw_rewards)]
 
 
-def sync_policy(backend, run: Run, update: Update) -> float:
-    """Seconds spent giving the backend the updated weights (0 when no optimizer step was applied:
-    the KL early stop fired first, or every step was skipped as non-finite)."""
-    if not update.applied_steps:
-        return 0.0
-    t0 = time.perf_counter()
-    run.weights.sync(backend)  # vLLM: streamed one gathered parameter at a time
-    return time.perf_counter() - t0
-
-
 def optimization(run: Run, cfg: GRPOConfig):
     """AdamW and its schedule over the run's optimizer steps (warm-up capped at 10 % of them), tracked
     for checkpoints."""
@@ -276,77 +253,6 @@ def optimization(run: Run, cfg: GRPOConfig):
     scheduler = run.track("scheduler", make_scheduler(optimizer, effective_warmup(cfg.warmup_steps, total), total,
                                                       cfg.lr_schedule))
     return optimizer, scheduler
-
-
-# ---------------------------------------------------------------- asynchronous rollouts (max_staleness >= 1)
-
-
-def produce(backend, scorer, sampler, inputs, cfg: GRPOConfig, sampling) -> ScoredGroups:
-    """One rollout batch in the producer's thread: sampled and scored as ``sample_groups``, with the
-    seconds it took and the reward errors it caused (the step that trains on it reports them)."""
-    t0, errors = time.perf_counter(), scorer.errors
-    groups = sample_groups(backend, scorer, sampler, inputs, cfg, sampling)
-    groups.stats["time/generate_s"] = time.perf_counter() - t0
-    groups.stats["_reward_errors"] = scorer.errors - errors
-    return groups
-
-
-class ConsumedData:
-    """The data position a checkpoint records as the run's: after the last batch trained on (the
-    producer's sampler is ahead of it; its in-flight batches are the async state's)."""
-
-    def __init__(self, sampler: ExampleSampler, rollouts: AsyncRollouts):
-        self.sampler, self.rollouts = sampler, rollouts
-
-    def state_dict(self) -> dict:
-        return self.rollouts.consumed_data or self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        pass  # restored into the sampler when it was tracked itself
-
-
-class CurrentPolicy:
-    """Validation in an asynchronous run: the trainer's own weights (the sampler's are older), with
-    the plain copy refreshed first where the run keeps one (LoRA)."""
-
-    def __init__(self, run: Run, backend):
-        self.run, self.backend = run, backend
-
-    def generate(self, *args, **kwargs):
-        self.run.weights.refresh()
-        return self.backend.generate(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.backend, name)
-
-
-def publish(rollouts: AsyncRollouts, run: Run, version: int, clock: StepClock) -> float:
-    """Hand the weights after this step (``version``) to the sampler's staging slot; the seconds
-    waited for the slot go to ``time/trainer_wait_s``, the staging itself is the weight sync."""
-    t0 = time.perf_counter()
-    clock.seconds["publish_wait_s"] = rollouts.publish(version, run.weights.full_weights())
-    return time.perf_counter() - t0 - clock.seconds["publish_wait_s"]
-
-
-def async_figures(produced, step: int, m: dict, clock: StepClock) -> dict[str, float]:
-    """The step's staleness (every response of a batch has one version), the waits, and where the
-    batch is stale the sampler/trainer log-prob gap as the policy's lag, not as a mismatch: a stale
-    batch measures how far the weights moved, which the health check must not report as a fault."""
-    groups = produced.item
-    staleness = [step - r.info.setdefault("policy_version", produced.version) for r in groups.rollouts]
-    out = {"async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": max(staleness),
-           "async/policy_version": produced.version,
-           "time/trainer_wait_s": produced.extra["trainer_wait_s"] + clock.seconds.get("publish_wait_s", 0.0),
-           "time/sampler_wait_s": produced.sampler_wait_s,
-           "time/generate_s": groups.stats.pop("time/generate_s", 0.0)}
-    produced.extra["reward_errors"] = int(groups.stats.pop("_reward_errors", 0))
-    if max(staleness) > 0:
-        for key in [k for k in m if k.startswith("health/logprob_mismatch")]:
-            value = m.pop(key)
-            if key == "health/logprob_mismatch":
-                out["async/behaviour_logprob_gap"] = value
-    m["time/rollout_s"] = out["time/generate_s"]
-    return out
 
 
 # ---------------------------------------------------------------- the loop
@@ -375,45 +281,19 @@ def train_grpo(
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         clock = StepClock(scorer, run.track("samples_drawn", ListState([0])))
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
-        make = lambda: make_backend(  # noqa: E731
-            cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
-            autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
-            **cfg.backend_options())
-        with_env = (lambda b: EnvBackend(b, run.env)) if cfg.env is not None else (lambda b: b)  # multi-turn
-        if cfg.max_staleness:  # a sampler with its own weights runs ahead (training/async_rollouts.py)
-            scorer = LockedScorer(scorer)
-            own, stager, reseed = sampler_backend(cfg, run.sampling_model, tokenizer, make, generator)
-            backend = with_env(own)
-            data = sampler
-            rollouts = run.track("async_rollouts", AsyncRollouts(
-                stager, cfg.max_staleness, lambda b: produce(backend, scorer, data, inputs, cfg, sampling),
-                data, encode_groups, decode_groups, reseed))
-            run.track("data", ConsumedData(data, rollouts))  # checkpoints: the position after the consumed batch
-            run.on_close(rollouts.close)  # however the run ends: the producer stops, the sampler process goes
-            run.on_close(backend.close)
-            eval_backend = CurrentPolicy(run, make_backend("hf", run.sampling_model, tokenizer,
-                                                           max_batch_size=cfg.rollout_max_batch_size))
-        else:
-            backend = eval_backend = with_env(make())
-            if cfg.rollout_backend == "vllm_server":  # however the run ends, the server it started stops
-                run.on_close(backend.close)
+        source, scorer = rollout_source(run, cfg, inputs, scorer, sampler, sampling, generator)
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)
-        validate = validation(run, eval_backend, inputs, cfg, scorer)
+        validate = validation(run, source.eval_backend, inputs, cfg, scorer)
         before = validate(0) if not run.resuming else None
-        if cfg.max_staleness:
-            rollouts.start(run.step, run.total_steps)
+        source.start(run)
 
         for step in run.steps():
             clock.start()
             # 1. sample a group of responses per question and score them (DAPO dynamic sampling optional);
             #    asynchronous: take the batch the producer made under the weights of step - max_staleness
             with clock.timed("rollout_s"):
-                if cfg.max_staleness:
-                    produced = rollouts.get(step)
-                    groups = produced.item
-                else:
-                    groups = sample_groups(backend, scorer, sampler, inputs, cfg, sampling)
+                groups = source.take(step)
             # 2. advantages: the group-normalised reward
             batch = make_rollout_batch(groups.rollouts, groups.rewards, group_advantages(groups.rewards, cfg), pad_id)
             if cfg.mask_truncated_completions:  # responses cut at sampling_max_tokens leave the loss
@@ -429,36 +309,28 @@ def train_grpo(
                 kl_ctl.update(update.mean_kl, cfg.rollout_batch_size)
             # 5. a backend with its own copy of the weights (vLLM) gets the new ones, in place; asynchronous:
             #    the new version goes to the sampler's staging slot, loaded before the batch that needs it
-            if cfg.max_staleness:
-                clock.seconds["weight_sync_s"] = publish(rollouts, run, step + 1, clock)
-            else:
-                clock.seconds["weight_sync_s"] = sync_policy(backend, run, update)
+            clock.seconds["weight_sync_s"] = source.hand_over(run, step, update, clock)
             # 6. metrics and health
             m = rollout_metrics(groups.rollouts, groups.scores, batch, update, cfg.group_size)
             with clock.timed("token_records_s"):
                 recorder.record(step, groups.rollouts, groups.scores, cfg.group_size, tokenizer,
                                 grpo_per_token(batch, update, stats) if stats else {}, trained_signal(batch, cfg),
                                 groups.examples)
-            if cfg.max_staleness:
-                m.update(async_figures(produced, step, m, clock))
+            m.update(source.figures(step, m, clock))
             m = clock.figures(m, run, groups, is_stats, with_tools=cfg.env is not None,
-                              reward_errors=produced.extra["reward_errors"] if cfg.max_staleness else None)
+                              reward_errors=source.reward_errors)
             log_step(run, health, update, m, scorer.last_error, step)
             if cfg.max_rollout_samples and clock.samples.items[0] >= cfg.max_rollout_samples:
                 run.total_steps = step + 1  # the sample budget is spent: this is the last step
-                if cfg.max_staleness:
-                    rollouts.limit(run.total_steps)
+                source.limit(run.total_steps)
             run.end_step(step + 1, validate)
             if step + 1 >= run.total_steps:
                 break
 
-        if cfg.max_staleness:
-            rollouts.close()
+        source.close()
         after = validate(run.total_steps)
         scorer.close()
-        backend.close()
-        if cfg.max_staleness:
-            rollouts.join()
+        source.backend.close()
         return run.finish(
             after, before=before,
             plot=lambda metrics, out: plot_reward_curves(metrics, out, f"GRPO: {run.path.name}", cfg.step_key)

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import overlong_reward_penalty
+from ..data.datasets import Example
 from ..envs import apply_call_cost
+from ..rollout import Rollout
+from ..rollout.process import ProcessRolloutBackend
 from ..training import distributed
 
 
@@ -125,9 +128,6 @@ def encode_groups(groups: ScoredGroups) -> dict:
 
 
 def decode_groups(state: dict) -> ScoredGroups:
-    from ..data.datasets import Example
-    from ..rollout import Rollout
-
     return ScoredGroups([Rollout(**r) for r in state["rollouts"]], list(state["scores"]), state["rewards"],
                         [Example(**e) for e in state["examples"]], int(state["samples_drawn"]), dict(state["stats"]))
 
@@ -170,8 +170,6 @@ def sampler_backend(cfg, model, tokenizer, make, generator):
     resumed run draws what the uninterrupted one drew)."""
     seed_of = lambda b: (cfg.seed * 1_000_003 + b) % 2**63  # noqa: E731
     if cfg.rollout_backend == "hf":
-        from ..rollout.process import ProcessRolloutBackend
-
         backend = ProcessRolloutBackend(model, tokenizer, threads=cfg.sampler_threads,
                                         max_batch_size=cfg.rollout_max_batch_size,
                                         autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,

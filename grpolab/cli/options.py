@@ -12,7 +12,7 @@ start-up (it imports the training configs)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,7 +30,7 @@ def same_as(config: type[BaseConfig], name: str) -> Any:
 
 
 Dtype = same_as(SampledRunConfig, "dtype")
-Backend = same_as(SampledRunConfig, "rollout_backend")
+Backend = Literal["hf", "vllm"]  # eval and compare sample with the hf or the colocated vllm backend
 Temperature = same_as(SampledRunConfig, "eval_temperature")
 MaxTokens = same_as(SampledRunConfig, "sampling_max_tokens")
 MinTokens = same_as(SampledRunConfig, "sampling_min_tokens")

@@ -31,7 +31,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .base import Rollout, RolloutBackendError, SamplingParams
+from .base import Rollout, RolloutBackendError, SamplingParams, model_end_ids
+from .hf import HFRolloutBackend
 
 
 @contextlib.contextmanager
@@ -58,8 +59,6 @@ class SamplerProcessError(RolloutBackendError):
 
 def _serve(conn, staging, tokenizer, options: dict) -> None:
     """The child: build the live copy and an HF backend on it, then answer commands until ``close``."""
-    from .hf import HFRolloutBackend
-
     torch.set_num_threads(options["threads"])
     os.environ["OMP_NUM_THREADS"] = str(options["threads"])
     try:
@@ -179,8 +178,6 @@ class ProcessRolloutBackend:
         self._call("seed", seed)
 
     def end_ids(self) -> list[int]:
-        from .base import model_end_ids
-
         return model_end_ids(self.model, self.tokenizer)
 
     def close(self) -> None:

@@ -76,6 +76,8 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
+from .vllm import quiet_rotary_reload_warning  # noqa: E402
+
 SHM_ENGINE = "grpolab_shm"
 EXTENSION = "grpolab.rollout.vllm_serve.GrpolabWorkerExtension"
 
@@ -172,8 +174,6 @@ def _numel(shape) -> int:
 def register() -> None:
     """Make ``grpolab_shm`` a weight-transfer engine of this process (idempotent), and drop the
     layer-wise reload's benign rotary warning at each sync (``rollout.vllm``)."""
-    from .vllm import quiet_rotary_reload_warning
-
     if SHM_ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(SHM_ENGINE, SharedMemoryWeightTransferEngine)
     quiet_rotary_reload_warning()

@@ -31,6 +31,7 @@ import torch
 from ..eval import evaluate, log_generations
 from ..models import load_model_and_tokenizer
 from ..rollout.vllm import check_vllm_options
+from ..rollout.vllm_server import check_vllm_server_options
 from . import distributed
 from .checkpoints import CheckpointManager, find_resume_checkpoint
 from .health import NonFiniteWeightsError
@@ -104,8 +105,6 @@ class Run:
         if getattr(cfg, "rollout_backend", "hf") == "vllm":  # the backend's options, before anything is touched
             check_vllm_options(**cfg.backend_options())
         elif getattr(cfg, "rollout_backend", "hf") == "vllm_server":
-            from ..rollout.vllm_server import check_vllm_server_options
-
             check_vllm_server_options(**cfg.backend_options())
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched

@@ -50,10 +50,8 @@ class SampledRunConfig(RunConfig):
     rollout_max_batch_size: int = Field(256, ge=1)
     """Rows sampled at once, whatever group_size is: lower it when sampling runs out of memory."""
     rollout_backend: Literal["hf", "vllm", "vllm_server"] = "hf"
-    """hf: the training model samples (with max_staleness >= 1: a copy in a sampler process); vllm: a vLLM engine
-    in this process with its own copy of the weights, synced in place after each update; vllm_server: a `vllm
-    serve` process (started by grpolab, or vllm_server_url), its weights moved by vLLM's weight-transfer protocol
-    (GRPO only)."""
+    """hf: the training model samples (max_staleness >= 1: a sampler process); vllm: a vLLM engine in this process,
+    synced after each update; vllm_server: a `vllm serve` process, synced by vLLM's weight transfer (GRPO only)."""
     vllm_server_url: str | None = None
     """vllm_server: the base URL of a running `vllm serve` (e.g. http://127.0.0.1:8000) started with grpolab's
     weight-transfer engine; null: the run starts one on a free local port and stops it at the end."""

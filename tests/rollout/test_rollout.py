@@ -335,7 +335,7 @@ def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):
     with pytest.raises(ValueError, match=expected) as info:
         make_backend("vllm", model, tok)
     assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; expected 'hf' or 'vllm'"):
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; expected 'hf', 'vllm' or 'vllm_server'"):
         make_backend("sglang", model, tok)
 
 
