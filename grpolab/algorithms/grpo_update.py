@@ -182,8 +182,10 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     policy's, once per rollout batch; with the correction, the IS weights and their figures."""
     rows_per_pass = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
     correct = cfg.is_correction != "none"
-    needed = None  # on-policy, the IS weights matter only on rows that reach the loss: the others are not forwarded
-    if correct and not cfg.off_policy and not distributed.current().sharded:
+    # asynchronous and on-policy, the IS weights matter only on rows that reach the loss: the others are not
+    # forwarded (synchronous runs keep every row's old log-probs: their sampler/trainer mismatch figure is of all)
+    needed = None
+    if correct and not cfg.off_policy and cfg.max_staleness and not distributed.current().sharded:
         signal = trained_signal(batch, cfg)
         regularised = ref_model is not None or cfg.entropy_coef > 0 or not cfg.skip_zero_advantage
         needed = batch.response_mask.any(1) & ((signal != 0) | regularised)
