@@ -1,10 +1,11 @@
 """grpolab.core: the tensor math of SFT, GRPO, PPO and DPO. Imports nothing but torch.
 
-This file only re-exports. Policy losses and advantage estimators are registered by name in
-``registry.py`` (config validators use ``policy_loss_names()`` / ``advantage_estimator_names()``):
-the CS336 losses in ``losses.py``, GSPO / CISPO / SAPO in ``ratio_losses.py``, the estimators in
-``advantages.py``. ``importance.py`` holds the sampler/trainer IS correction, ``shaping.py`` DAPO's
-overlong reward penalty.
+This file only re-exports. Policy losses, advantage estimators and divergences are registered by
+name in ``registry.py`` (config validators use ``policy_loss_names()`` / ``advantage_estimator_names()``
+/ ``divergence_names()``): the CS336 losses in ``losses.py``, GSPO / CISPO / SAPO in
+``ratio_losses.py``, the estimators in ``advantages.py``, the student/teacher divergences of
+distillation in ``divergences.py``. ``importance.py`` holds the sampler/trainer IS correction,
+``shaping.py`` DAPO's overlong reward penalty.
 
 Names, parameters and semantics follow Stanford CS336 Assignment 5 where it defines them.
 """
@@ -19,6 +20,7 @@ from .advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from .divergences import forward_kl, generalized_jsd, reverse_kl
 from .importance import IS_LEVELS, IS_MODES, importance_sampling_weights
 from .kl import (
     KL_ESTIMATORS,
@@ -54,16 +56,22 @@ from .masking import masked_mean, masked_normalize, whiten
 from .ratio_losses import compute_cispo_loss, compute_gspo_loss, compute_sapo_loss
 from .registry import (
     ADVANTAGE_ESTIMATORS,
+    DIVERGENCES,
     POLICY_LOSSES,
     AdvantageEstimator,
+    Divergence,
     PolicyLoss,
     advantage_estimator_names,
+    divergence_names,
     get_advantage_estimator,
+    get_divergence,
     get_policy_loss,
     policy_loss_names,
     register_advantage_estimator,
+    register_divergence,
     register_policy_loss,
     unregister_advantage_estimator,
+    unregister_divergence,
     unregister_policy_loss,
 )
 from .shaping import overlong_reward_penalty
@@ -78,6 +86,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageEstimator",
+    "DIVERGENCES",
+    "Divergence",
     "FixedKLController",
     "IS_LEVELS",
     "IS_MODES",
@@ -105,8 +115,12 @@ __all__ = [
     "compute_policy_gradient_loss",
     "compute_sapo_loss",
     "compute_value_loss",
+    "divergence_names",
     "entropy_bonus_loss",
+    "forward_kl",
+    "generalized_jsd",
     "get_advantage_estimator",
+    "get_divergence",
     "get_policy_loss",
     "get_response_log_probs",
     "grpo_advantages",
@@ -125,12 +139,15 @@ __all__ = [
     "pad_token_id",
     "policy_loss_names",
     "register_advantage_estimator",
+    "register_divergence",
     "register_policy_loss",
     "reinforce_plus_plus_advantages",
+    "reverse_kl",
     "rloo_advantages",
     "sft_microbatch_train_step",
     "tokenize_prompt_and_output",
     "unregister_advantage_estimator",
+    "unregister_divergence",
     "unregister_policy_loss",
     "whiten",
 ]

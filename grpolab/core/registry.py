@@ -7,7 +7,9 @@ A new loss is one function and one line: decorate it with ``@register_policy_los
 ``@register_advantage_estimator`` and ``advantage_estimator_names()``.
 
 The registries are plain dicts (``POLICY_LOSSES``, ``ADVANTAGE_ESTIMATORS``) in registration
-order; use the helpers below rather than mutating them, so that names are checked.
+order; use the helpers below rather than mutating them, so that names are checked. Full-vocabulary
+divergences between a student's and a teacher's next-token distributions (``core/divergences.py``)
+are registered the same way: ``@register_divergence`` and ``divergence_names()``.
 """
 
 from __future__ import annotations
@@ -59,8 +61,26 @@ class AdvantageEstimator(Protocol):
     def __call__(self, raw_rewards: torch.Tensor, group_size: int, **options: Any) -> torch.Tensor: ...
 
 
+class Divergence(Protocol):
+    """The one signature every registered divergence has.
+
+    ``student_logits`` and ``teacher_logits`` are (..., V) over the same vocabulary; both
+    distributions are ``softmax(logits / temperature)``. ``beta`` is the mixture weight of the
+    generalised Jensen-Shannon divergence (others ignore it). Returns the per-position divergence
+    (...), in float32 at least (bf16/fp16 are upcast, float64 stays float64). The gradient flows
+    into ``student_logits`` only (the teacher is detached inside); masking padded positions is the
+    caller's (``torch.where`` on the mask, so that a non-finite padded value is never multiplied).
+    """
+
+    def __call__(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0,
+        beta: float = 0.5,
+    ) -> torch.Tensor: ...
+
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+DIVERGENCES: dict[str, Divergence] = {}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -131,3 +151,23 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
 def advantage_estimator_names() -> tuple[str, ...]:
     """Registered advantage-estimator names, in registration order."""
     return tuple(ADVANTAGE_ESTIMATORS)
+
+
+def register_divergence(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
+    """Decorator: register ``fn`` (with the ``Divergence`` signature) under ``name``."""
+    return _register(DIVERGENCES, "divergence", name, replace)
+
+
+def unregister_divergence(name: str) -> Divergence:
+    """Remove ``name`` from the divergence registry and return its function."""
+    return _unregister(DIVERGENCES, "divergence", name)
+
+
+def get_divergence(name: str) -> Divergence:
+    """The registered divergence ``name``; ValueError listing the registered names when unknown."""
+    return _lookup(DIVERGENCES, "divergence", name)
+
+
+def divergence_names() -> tuple[str, ...]:
+    """Registered divergence names, in registration order."""
+    return tuple(DIVERGENCES)

@@ -10,6 +10,8 @@
 
 ``response_log_probs`` is what the trainers, evaluation and the shared-prefix forward call; it
 equals ``core.get_response_log_probs``, the plain CS336 reference, in values and gradients.
+``response_divergence`` scores a student against a teacher with a full-vocabulary divergence
+(``core.divergences``) at the response positions, the logits of both a chunk at a time.
 ``unwrap_model`` finds the Hugging Face model inside DDP, DeepSpeed and LoRA wrappers.
 """
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from ..core import get_divergence
 from ..core.logprobs import (
     check_temperature,
     chunked_token_stats,
@@ -282,3 +286,85 @@ def sum_response_log_probs(
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
     lp = response_log_probs(model, input_ids, labels, temperature=temperature)["log_probs"]
     return (lp * mask).sum(-1), mask.sum(-1)
+
+
+def _vocab_size(model: Any, head: torch.nn.Module | None) -> int | None:
+    size = getattr(head, "out_features", None)
+    return size if size is not None else getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)
+
+
+def _divergence_inputs(model, input_ids, labels, mask, kwargs, temperature, chunk_tokens):
+    """One forward of ``model``: (log-probs (batch, seq), the masked positions' head input (N, D),
+    the map from those rows to their logits). With a chunkable head the rows are the last hidden
+    states and the map is the head; otherwise the rows are the logits the forward returns."""
+    head = output_head(model)
+    if head is not None:
+        out = response_log_probs(model, input_ids, labels, attention_mask=kwargs.get("attention_mask"),
+                                 temperature=temperature, chunk_tokens=chunk_tokens, return_last_hidden=True)
+        return out["log_probs"], out["last_hidden_state"][mask], head
+    logits = model(input_ids, **kwargs).logits
+    log_probs, _ = log_probs_from_logits(logits, labels, temperature=temperature, chunk_tokens=chunk_tokens)
+    return log_probs, logits[mask], lambda rows: rows
+
+
+def response_divergence(
+    student: Any,
+    teacher: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    name: str,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The registered divergence ``name`` (``core.get_divergence``: ``forward_kl``, ``reverse_kl``,
+    ``generalized_jsd`` with ``beta``) between the student's and the teacher's next-token
+    distributions, ``softmax(logits / temperature)``, at every position where ``mask`` (batch, seq,
+    bool) is True.
+
+    Returns ``"divergence"`` (N,), one value per True of ``mask`` in the row-major order of
+    ``mask.nonzero()``, and ``"student_log_probs"`` / ``"teacher_log_probs"``, the (batch, seq)
+    log-probs of ``labels`` under each model (at the same temperature). One forward per model (the
+    teacher's under ``no_grad``; modes are left as they are); gradients reach the student only.
+    For a model with a chunkable head (``output_head``) its (batch, seq, vocab) logits never exist:
+    the masked positions' last hidden states go through the head ``chunk_tokens`` rows at a time
+    (``logits_chunk_tokens``), each chunk checkpointed when gradients flow, so one chunk's logits
+    of each model live at a time in the forward and in the backward. Another model's logits come
+    from its forward, and only the divergence is chunked. The two may be different classes but must
+    share the vocabulary size (ValueError).
+    """
+    divergence = get_divergence(name)
+    temperature = check_temperature(temperature)
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(labels.shape):
+        raise ValueError(f"mask must be bool with the labels' shape {tuple(labels.shape)}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    sizes = (_vocab_size(student, output_head(student)), _vocab_size(teacher, output_head(teacher)))
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ValueError(f"student and teacher vocabularies differ: student {sizes[0]}, teacher {sizes[1]}")
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    s_log_probs, s_rows, s_logits = _divergence_inputs(student, input_ids, labels, mask, kwargs, temperature,
+                                                       chunk_tokens)
+    with torch.no_grad():
+        t_log_probs, t_rows, t_logits = _divergence_inputs(teacher, input_ids, labels, mask, kwargs, temperature,
+                                                           chunk_tokens)
+
+    def chunk(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        z_s = s_logits(s)
+        with torch.no_grad():
+            z_t = t_logits(t)
+        return divergence(z_s, z_t, temperature=temperature, beta=beta)
+
+    step = logits_chunk_tokens(sizes[0] or sizes[1] or s_rows.shape[-1], chunk_tokens)
+    head_params = s_logits.parameters() if isinstance(s_logits, torch.nn.Module) else ()
+    needs_grad = torch.is_grad_enabled() and (s_rows.requires_grad or any(p.requires_grad for p in head_params))
+    n = s_rows.shape[0]
+    if n <= step:
+        values = chunk(s_rows, t_rows)
+    else:
+        parts = [(checkpoint(chunk, s_rows[i : i + step], t_rows[i : i + step], use_reentrant=False) if needs_grad
+                  else chunk(s_rows[i : i + step], t_rows[i : i + step])) for i in range(0, n, step)]
+        values = torch.cat(parts)
+    return {"divergence": values, "student_log_probs": s_log_probs, "teacher_log_probs": t_log_probs}
