@@ -17,4 +17,6 @@ METHODS = {
                   "DPO on preference pairs; reports held-out preference accuracy."),
     "rm": Method("grpolab.algorithms.rm", "RMConfig", "train_rm",
                  "Train a reward model (Bradley-Terry) on preference pairs; reports held-out pairwise accuracy."),
+    "distill": Method("grpolab.algorithms.distill", "DistillConfig", "train_distill",
+                      "On-policy distillation: the student samples, a teacher's per-token log-probs are its signal."),
 }

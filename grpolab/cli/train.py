@@ -134,8 +134,16 @@ def _report_rm(result) -> None:
     _report(result)
 
 
+def _report_distill(result) -> None:
+    if result.before and "reverse_kl" in result.before and result.after and "reverse_kl" in result.after:
+        typer.echo(f"held-out reverse KL to the teacher (per token): {result.before['reverse_kl']:.4f} -> "
+                   f"{result.after['reverse_kl']:.4f}")
+    _report(result)
+
+
 # how each command reports its result; its help, config and trainer are in algorithms.METHODS
-REPORTS = {"grpo": _report, "sft": _report_sft, "ei": _report_ei, "ppo": _report, "dpo": _report_dpo, "rm": _report_rm}
+REPORTS = {"grpo": _report, "sft": _report_sft, "ei": _report_ei, "ppo": _report, "dpo": _report_dpo, "rm": _report_rm,
+           "distill": _report_distill}
 
 
 FIELDS_INTRO = ("Config fields: each can be given as --field value (dashes or underscores) or as a key of the "

@@ -206,7 +206,7 @@ def read_jsonl_records(path: str | Path, convert, on_error: str = "raise") -> Lo
 def load_jsonl(
     path: str | Path,
     question_field: str = "question",
-    answer_field: str = "answer",
+    answer_field: str | None = "answer",
     solution_field: str | None = None,
     on_error: str = "raise",
 ) -> Loaded:
@@ -221,7 +221,8 @@ def load_jsonl(
                         else prompt_messages(conversation(require_field(obj, "messages"), "messages")))
         else:
             question = text_or_conversation(obj, question_field)
-        return Example(question, require_field(obj, answer_field), solution)
+        answer = require_field(obj, answer_field) if answer_field is not None else None  # None: prompts only
+        return Example(question, answer, solution)
 
     examples = read_jsonl_records(path, convert, on_error)
     warn_mixed_questions(path, examples)
@@ -376,7 +377,7 @@ def load_examples(
     spec: str,
     format: str = "auto",
     question_field: str = "question",
-    answer_field: str = "answer",
+    answer_field: str | None = "answer",
     on_error: str = "raise",
 ) -> Loaded:
     """Examples from a file or ``hf:NAME``. ``format``: ``gsm8k``, ``math``, ``jsonl`` (the named

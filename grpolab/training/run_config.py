@@ -67,8 +67,8 @@ class RunConfig(BaseConfig):
     """How to read train_data/eval_data; auto: by the file name (gsm8k in it: GSM8K, math: MATH, else JSONL)."""
     question_field: str = "question"
     """Plain JSONL: the key holding each question."""
-    answer_field: str = "answer"
-    """Plain JSONL: the key holding each ground-truth answer."""
+    answer_field: str | None = "answer"
+    """Plain JSONL: the key holding each ground-truth answer; null: a prompt-only file (grpolab distill)."""
     data_on_error: Literal["raise", "skip"] = "raise"
     """A malformed line, or a prompt too long for the model's context: raise (one-line error), or skip it
     (counted and reported)."""

@@ -79,6 +79,11 @@ NOT_RUN = [
     ((".venv/bin/grpolab", "rm"), "minutes of CPU (the reader's own pairs.jsonl for the second); "
                                   "tests/rewards/test_reward_model.py and tests/experiments/test_rm_chain.py run "
                                   "grpolab rm shortened, with --resume"),
+    (("grpolab", "demo", "--run-dir", "runs/demo"), "the full demo, 3-4 minutes; tests/cli/test_demo_cli.py runs it "
+                                                    "shortened"),
+    (("grpolab", "distill", "--config", "configs/distill_tiny.yaml"), "needs runs/demo from the full demo; "
+                                                                     "tests/algorithms/test_distill.py and "
+                                                                     "tests/training/test_run.py run grpolab distill"),
     (("HEAD=",), "the SLURM recipe: a cluster (tests/scale runs a two-node job on one machine)"),
     (("export", "HEAD"), "the SLURM recipe: a cluster"),
     (("srun",), "the SLURM recipe: a cluster"),

@@ -60,6 +60,11 @@ TRAINERS = {
             "4", "--ppo-epochs", "1", "--task-train-size", "20", "--eval-examples", "2", "--eval-every", "1",
             "--sampling-max-tokens", "8", "--sampling-min-tokens", "1", "--learning-rate", "1e-3", "--reward",
             "tests.helpers.reward_fixtures:reward_any_digit"],
+    # on-policy distillation: a random embedded:small teacher, so every step moves the student
+    "distill": ["distill", "--n-distill-steps", N_STEPS, "--teacher", "embedded:small", "--rollout-batch-size", "8",
+                "--group-size", "4", "--train-batch-size", "8", "--gradient-accumulation-steps", "1",
+                "--sampling-max-tokens", "8", "--sampling-min-tokens", "1", "--eval-examples", "2", "--eval-every", "1",
+                "--task-train-size", "20", "--learning-rate", "1e-3"],
     "dpo": ["dpo", "--n-dpo-steps", N_STEPS, "--train-batch-size", "2", "--task-train-size", "20", "--eval-pairs", "2",
             "--eval-every", "1", "--learning-rate", "1e-3"],
 }
@@ -244,6 +249,7 @@ def grpo_full(tmp_path_factory):
     "ei",
     "ppo",
     "dpo",
+    "distill",
 ])
 def test_sigkill_then_resume_ends_with_the_uninterrupted_weights(trainer, tmp_path, request):
     if trainer == "grpo":  # the shared uninterrupted run, started in the background
