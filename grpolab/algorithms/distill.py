@@ -119,8 +119,6 @@ class DistillConfig(PolicyUpdateConfig):
 
     @model_validator(mode="after")
     def _check(self):
-        if not self.teacher:
-            raise ValueError("teacher: give the teacher model (a model directory, a LoRA final/ or embedded:NAME)")
         if self.train_batch_size != self.rollout_batch_size:
             raise ValueError(f"train_batch_size ({self.train_batch_size}) must equal rollout_batch_size "
                              f"({self.rollout_batch_size}): distillation takes one on-policy step per rollout batch")
@@ -281,6 +279,8 @@ def train_distill(cfg: DistillConfig, *, model=None, tokenizer=None, resume: boo
                   overwrite: bool = False) -> TrainResult:
     """Distil ``cfg.teacher`` into the student (``cfg.model``, or ``model``/``tokenizer``) on its own
     samples; ``resume`` continues from the newest checkpoint in ``cfg.run_dir``."""
+    if not cfg.teacher:  # a field with no default would leave `grpolab config distill` nothing to print
+        raise ValueError("teacher: give the teacher model (a model directory, a LoRA final/ or embedded:NAME)")
     inputs = load_inputs(cfg, tokenizer)
     answered = inputs.reward is not None and all(e.answer is not None for e in inputs.train)
     if cfg.reward_weight and not answered:

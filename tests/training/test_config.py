@@ -103,13 +103,15 @@ def test_yaml_errors_and_cli_exit_codes(tmp_path):
 
 
 def test_shipped_configs_validate():
+    from grpolab.algorithms.distill import DistillConfig
     from grpolab.algorithms.dpo import DPOConfig
     from grpolab.algorithms.expert_iteration import EIConfig
     from grpolab.algorithms.grpo import GRPOConfig
     from grpolab.algorithms.ppo import PPOConfig
     from grpolab.algorithms.sft import SFTConfig
 
-    classes = {"grpo": GRPOConfig, "sft": SFTConfig, "ppo": PPOConfig, "dpo": DPOConfig, "ei": EIConfig}
+    classes = {"grpo": GRPOConfig, "sft": SFTConfig, "ppo": PPOConfig, "dpo": DPOConfig, "ei": EIConfig,
+               "distill": DistillConfig}
     paths = sorted((ROOT / "configs").glob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:
