@@ -77,9 +77,11 @@ def test_the_update_is_the_sampled_reverse_kl_gradient(tmp_path, tiny_model, ope
     batch = make_rollout_batch(rollouts, rewards, torch.zeros(len(rollouts)), pad_token_id(tok))
     batch.ref_log_probs = teacher_log_probs(teacher, batch, cfg, run.device, run.autocast, 0)
     want = hand_gradient(run.model, teacher, batch, lambda s, t: t - s)  # A_t = -(log p_s - log p_t)
-    assert_close(applied_update(run, teacher, batch, cfg), want)
-    # the other sign (the KL to be maximised) is another update: the comparison can fail
-    assert max(float((a + w).abs().max()) for a, w in zip(want, want)) > 0
+    got = applied_update(run, teacher, batch, cfg)
+    assert_close(got, want)
+    # the other sign (the KL maximised) is another update, far outside the bound: the comparison can fail
+    scale = max(float(w.abs().max()) for w in want)
+    assert max(float((g + w).abs().max()) for g, w in zip(got, want)) > 100 * RELATIVE * scale
 
 
 def test_reward_weight_adds_the_group_normalised_reward_to_every_token(tmp_path, tiny_model, open_run):
