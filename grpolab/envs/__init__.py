@@ -1,5 +1,6 @@
 """Environments for multi-turn rollouts with tools: retrieval (BM25 over a local corpus), a safe
-calculator and custom ``module:function`` tools.
+calculator and custom ``module:function`` tools, in grpolab's tag format or in a chat model's own
+function-calling format (``tool_format: chat_template``, ``chat_tools.py``).
 
 How a trainer uses one::
 
@@ -22,6 +23,7 @@ from .build import (
     RETRIEVAL_KEYS,
     EnvSettings,
     RetrievalSettings,
+    build_chat_env,
     build_env,
     build_retriever,
     check_env_options,
@@ -31,6 +33,8 @@ from .build import (
     retrieval_template,
 )
 from .calculator import Calculator, CalculatorError
+from .chat_rollouts import ChatToolEnv, chat_rollouts
+from .chat_tools import HERMES_TEMPLATE, ChatRenderer, function_schema, parse_tool_calls
 from .custom import CustomTool, resolve_tool
 from .demonstrations import Demonstration, replay_demonstrations, split_demonstration, tool_metrics
 from .retrieval import (
@@ -57,6 +61,13 @@ __all__ = [
     "BM25Settings",
     "Calculator",
     "CalculatorError",
+    "ChatRenderer",
+    "ChatToolEnv",
+    "HERMES_TEMPLATE",
+    "build_chat_env",
+    "chat_rollouts",
+    "function_schema",
+    "parse_tool_calls",
     "CorpusError",
     "CustomTool",
     "Demonstration",

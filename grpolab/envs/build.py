@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .base import ToolEnv
 from .calculator import Calculator
+from .chat_rollouts import ChatToolEnv
+from .chat_tools import (
+    CALCULATE_SCHEMA,
+    CHAT_TEMPLATES,
+    SEARCH_SCHEMA,
+    ChatRenderer,
+    class_methods,
+    function_schema,
+    load_tool_spec,
+)
 from .custom import CustomTool
 from .retrieval import RetrievalAugmentedTemplate, SearchTool, open_index
 
@@ -66,6 +76,17 @@ class EnvSettings(BaseModel):
     max_query_chars: int = Field(500, ge=1)
     max_observation_chars: int = Field(2000, ge=1)
     max_observation_tokens: int | None = Field(None, ge=1)
+    tool_format: Literal["tags", "chat_template"] = "tags"
+    """How calls are written: ``tags`` (grpolab's ``<search>q</search>``, for the embedded models) or ``chat_template``
+    (the model's own function calling: schemas rendered by its template, calls parsed from its syntax)."""
+    chat_template: str | None = None
+    """``tool_format: chat_template`` only: a template in place of the tokenizer's (``hermes``: ChatML with tools, as
+    Qwen2.5), for a chat model whose own template renders no tools."""
+    verifiers: str | None = None
+    """A ``verifiers`` environment (an installed name, or a module or ``.py`` file with ``load_environment``): its
+    dataset is the task, its rubric the reward, its tools the tools (``pip install 'grpolab[envs]'``)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """``verifiers`` only: keyword arguments of the environment's ``load_environment(**args)``."""
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -153,6 +174,19 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
     fields (``max_turns``, ``max_total_tokens``, ``call_cost``, ``max_observation_chars``, ...)."""
     if isinstance(tools, str):
         raise ValueError(f"tools: expected a list of tools, e.g. [{tools}], got the string {tools!r}")
+    tool_format = env_options.pop("tool_format", "tags")
+    chat_template = env_options.pop("chat_template", None)
+    env_options.pop("args", None)
+    if env_options.pop("verifiers", None) is not None:
+        raise ValueError("env.verifiers: build the environment with grpolab.envs.vf (build_run_env does)")
+    if tool_format == "chat_template":
+        search = (lambda: build_retriever(corpus, text_field=text_field, cache_dir=cache_dir, top_k=top_k,
+                                          max_chars=max_chars, max_tokens=max_tokens, tokenizer=tokenizer))
+        return build_chat_env(tools, tokenizer, chat_template, search=search if corpus else None,
+                              tool_timeout_s=tool_timeout_s, worker_memory_limit_mb=worker_memory_limit_mb,
+                              **env_options)
+    if chat_template is not None:
+        raise ValueError("env.chat_template is for tool_format: chat_template")
     built = []
     for spec in tools:
         spec = _check_tool_spec(spec)
@@ -173,6 +207,71 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
         if names.count(name) > 1:
             raise ValueError(f"two tools are named {name!r}")
     return ToolEnv({t.name: t for t in built}, **env_options)
+
+
+CHAT_ENV_KEYS = ("max_turns", "max_total_tokens", "call_cost", "max_observation_chars", "max_observation_tokens")
+
+
+def build_chat_env(tools: Sequence[Any], tokenizer, chat_template: str | None = None, *, search=None,
+                   tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096, **limits) -> ChatToolEnv:
+    """A ``ChatToolEnv`` (native function calling): ``tools`` are ``"search"`` (``search()`` builds
+    the retriever), ``"calculate"``, ``"pkg.mod:fn"`` (a typed, documented function, run in a worker
+    process), ``"pkg.mod:Class"`` (its public methods, one instance per rollout) or Python callables
+    (run in a thread); the schemas are checked against the template before anything runs."""
+    if tokenizer is None:
+        raise ValueError("tool_format: chat_template needs the model's tokenizer (its chat template renders the tools)")
+    template = CHAT_TEMPLATES.get(chat_template, chat_template)
+    ignored = {k: v for k, v in limits.items() if k not in CHAT_ENV_KEYS}
+    if ignored:
+        raise ValueError(f"env key(s) {', '.join(sorted(ignored))} are for tool_format: tags (grpolab's tags); "
+                         "a chat model's calls and results are written by its template")
+    schemas, functions, process, classes = [], {}, {}, []
+    for spec in tools:
+        if spec == "search":
+            if search is None:
+                raise ValueError("the search tool needs a corpus (a JSONL file or a directory of .txt files)")
+            schemas.append(SEARCH_SCHEMA)
+            functions["search"] = _builtin_call(search(), "query")
+        elif spec == "calculate":
+            schemas.append(CALCULATE_SCHEMA)
+            functions["calculate"] = _builtin_call(Calculator(), "expression")
+        elif isinstance(spec, str):
+            kind, obj = load_tool_spec(spec)
+            if kind == "class":
+                probe = obj()
+                schemas += [function_schema(getattr(probe, name)) for name in class_methods(obj)]
+                classes.append(obj)
+            else:
+                name = _custom_tool_name(spec)
+                schemas.append(function_schema(obj, name))
+                process[name] = CustomTool(spec, name=name, timeout_s=tool_timeout_s,
+                                           memory_limit_mb=worker_memory_limit_mb)
+        elif callable(spec):
+            schema = function_schema(spec)
+            schemas.append(schema)
+            functions[schema["function"]["name"]] = spec
+        else:
+            raise ValueError(f"{spec!r} is not a tool for tool_format: chat_template")
+    names = [s["function"]["name"] for s in schemas]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two tools are named {twice[0]!r}")
+    renderer = ChatRenderer(tokenizer, schemas, template)
+    renderer.check()
+    return ChatToolEnv(renderer, functions, process, classes, tool_timeout_s=tool_timeout_s, **limits)
+
+
+def _builtin_call(tool, param: str):
+    """A built-in ``Tool`` (``run(queries)``) as a function of its one argument."""
+    def call(**arguments):
+        if set(arguments) != {param}:
+            raise TypeError(f"{tool.name}() takes exactly one argument, {param!r}")
+        out = tool.run([str(arguments[param])])[0]
+        if out.error is not None:
+            raise ValueError(out.error)
+        return out.text
+    call.__name__ = tool.name
+    return call
 
 
 def build_retriever(corpus: str, *, text_field: str = "text", cache_dir: str | None = None, top_k: int = 1,

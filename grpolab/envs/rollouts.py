@@ -160,6 +160,9 @@ class EnvBackend:
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
                  prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:
+        own = getattr(self.env, "rollouts", None)  # an environment with a loop of its own (native function calling)
+        if own is not None:
+            return own(self.backend, prompts, n, sampling, prompt_ids, self.tokenizer)
         return rollouts(self.backend, self.env, prompts, n, sampling, prompt_ids, self.tokenizer)
 
     def sync_weights(self, model, **weights) -> None:

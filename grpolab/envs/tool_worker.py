@@ -3,12 +3,14 @@
 the trainer.
 
 The protocol is the reward worker's: length-prefixed pickle frames in (first
-``{"sys_path", "spec": {"tool": "pkg.mod:fn"}}``, then batches of ``(query, None)``), one JSON line
-out per message: ``["ready"]``/``["fatal", msg]``, then ``["ok", {"text": str}]`` or
-``["err", msg]`` per query, flushed one by one so a hang or a crash is charged to its own call.
+``{"sys_path", "spec": {"tool": "pkg.mod:fn"}}``, then batches of ``(query, None)``; a dict query
+is a function call's arguments, ``fn(**query)``), one JSON line out per message:
+``["ready"]``/``["fatal", msg]``, then ``["ok", {"text": str}]`` or ``["err", msg]`` per query,
+flushed one by one so a hang or a crash is charged to its own call.
 """
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -25,6 +27,9 @@ def _load_tool(spec):
     tool_fn = getattr(importlib.import_module(module_name), attr)
 
     def handle(query, _unused):
+        if isinstance(query, dict):  # native function calling: the call's arguments; any JSON-able result
+            text = tool_fn(**query)
+            return {"text": text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)}
         text = tool_fn(query)
         if not isinstance(text, str):
             raise TypeError(f"tool returned {type(text).__name__}, not str")

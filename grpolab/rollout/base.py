@@ -86,6 +86,10 @@ class Rollout:
     # multi-turn rollouts: the model's own turns only (observation text removed); None for a
     # single-turn rollout, whose ``response`` is all the model's
     model_response: str | None = None
+    # chat-format multi-turn rollouts: what followed the prompt as chat messages (assistant turns
+    # with their ``tool_calls``, ``tool`` results, an environment's replies), for rewards that read
+    # a conversation (a verifiers rubric); None otherwise
+    messages: list[dict] | None = None
 
     @property
     def scored_response(self) -> str:

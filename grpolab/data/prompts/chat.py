@@ -123,7 +123,14 @@ class ChatTemplate:
         # a conversation (TRL's conversational data) carries its own instructions: rendered as it is
         # unless the preset was asked for by name (prompt_template given)
         self.wrap_conversations = True
+        self.tools: list[dict] | None = None  # function schemas rendered into every prompt (native function calling)
+        self.chat_template: str | None = None  # a template in place of the tokenizer's (env.chat_template)
         self.text = self.format("{question}")  # what the prompt looks like (messages, logs)
+
+    def use_tools(self, schemas: list[dict], chat_template: str | None = None) -> None:
+        """Render every prompt with the tool ``schemas`` (and ``chat_template``, when given)."""
+        self.tools, self.chat_template = list(schemas), chat_template
+        self.text = self.format("{question}")
 
     def messages(self, question: str | list[dict]) -> list[dict]:
         """The conversation the prompt renders: [system,] user (the question in the instruction)."""
@@ -157,7 +164,8 @@ class ChatTemplate:
 
     def format(self, question: str | list[dict]) -> str:
         prefill = self.preset.prefill if self._wraps(question) else ""
-        return render_chat(self.tokenizer, self.messages(question), add_generation_prompt=True) + prefill
+        return render_chat(self.tokenizer, self.messages(question), add_generation_prompt=True, tools=self.tools,
+                           chat_template=self.chat_template) + prefill
 
     def __call__(self, question) -> str:
         return self.format(question)
@@ -178,10 +186,16 @@ def check_system_prompt_fits(template, tokenizer, limit: int | None, reserve: in
                             f"context of {limit} tokens: shorten the system prompt")
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The chat template's text for ``messages``; a template error is one line."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+                chat_template: str | None = None) -> str:
+    """The chat template's text for ``messages`` (with the ``tools`` schemas; ``chat_template`` in
+    place of the tokenizer's); a template error is one line."""
+    extra = {"tools": tools} if tools else {}
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except Exception as exc:  # noqa: BLE001 - jinja raises its own errors (e.g. roles must alternate)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TemplateError(f"the tokenizer's chat template cannot render these messages ({first})") from None

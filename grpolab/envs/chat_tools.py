@@ -1,0 +1,253 @@
+"""Native function calling: tools given to a chat model the way it was trained to use them
+(``env: {tool_format: chat_template}``).
+
+- **Schemas.** Each tool is an OpenAI function schema: the built-in ``search(query)`` and
+  ``calculate(expression)``; a Python function with type hints and a Google-style docstring
+  (``"pkg.mod:fn"``; transformers' ``get_json_schema``); or a class (``"pkg.mod:Class"``, TRL's
+  ``environment_factory`` form) whose public methods are the tools, one instance per rollout
+  (``reset()`` is called first when the class has one; its state lives for that rollout).
+- **Rendering.** The tokenizer's own chat template renders the schemas (``tools=``) and the tool
+  results (``tool`` messages); ``chat_template: hermes`` puts grpolab's ChatML template with tools
+  (Qwen2.5/Hermes format) in place of a template that renders none.
+- **Parsing.** A turn's calls are read with the tokenizer's response parser where it has one
+  (``response_schema``), else as Hermes/Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks. A block that is not such JSON, or names no tool, is a failed call: counted
+  (``malformed_calls``), answered with an error ``tool`` message, never a crash.
+- **Exact ids.** The model's turn is trained as sampled. After a turn with calls, the template
+  re-renders the assistant message and the tool results; the ids appended are the text that
+  follows the sampled turn in that rendering (the end-of-turn glue, the ``tool`` messages and the
+  next generation prompt), tokenised once, masked from every loss. When the re-rendered assistant
+  turn differs from the sampled text (a template that reformats the JSON), the sampled ids win and
+  the turn is counted in ``template_mismatches``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import inspect
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rewards.registry import import_callable
+from .base import ToolOutput
+
+# ChatML with tools, in the Hermes/Qwen2.5 format: a system block lists the schemas, calls are
+# <tool_call> JSON blocks, results come back as tool turns inside <tool_response>.
+HERMES_TEMPLATE = (  # transformers renders with trim_blocks: a newline right after a block tag is written as {{ nl }}
+    "{%- set nl = '\\n' %}"
+    "{%- if tools %}<|im_start|>system{{ nl }}{% if messages[0].role == 'system' %}{{ messages[0].content }}{{ nl }}"
+    "{{ nl }}{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ nl }}{{ tool | tojson }}{% endfor %}{{ nl }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>"
+    "{{ nl }}{%- elif messages[0].role == 'system' %}<|im_start|>system{{ nl }}{{ messages[0].content }}<|im_end|>"
+    "{{ nl }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant{{ nl }}{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}{% if not loop.first or message.content %}{{ nl }}{% endif %}"
+    "<tool_call>{{ nl }}{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "{{ nl }}</tool_call>{%- endfor %}<|im_end|>{{ nl }}"
+    "{%- elif message.role == 'tool' %}<|im_start|>tool{{ nl }}<tool_response>{{ nl }}{{ message.content }}{{ nl }}"
+    "</tool_response><|im_end|>{{ nl }}"
+    "{%- else %}<|im_start|>{{ message.role }}{{ nl }}{{ message.content }}<|im_end|>{{ nl }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant{{ nl }}{%- endif %}"
+)
+CHAT_TEMPLATES = {"hermes": HERMES_TEMPLATE}
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_SENTINEL = "\u2063grpolab-turn\u2063"
+
+
+def function_schema(fn: Callable, name: str | None = None) -> dict:
+    """The OpenAI function schema of ``fn`` (transformers' ``get_json_schema``: type hints and a
+    Google-style docstring with ``Args:``); a function it cannot describe is one line naming it."""
+    from transformers.utils import get_json_schema
+
+    label = name or getattr(fn, "__name__", repr(fn))
+    try:
+        schema = get_json_schema(fn)
+    except Exception as exc:  # noqa: BLE001 - transformers' parsing errors have several types
+        raise ValueError(f"tool {label!r}: no JSON schema can be made of it ({' '.join(str(exc).split())}); a "
+                         "function tool needs type hints on every argument and a docstring with an Args: "
+                         "section") from None
+    if name is not None:
+        schema["function"]["name"] = name
+    return schema
+
+
+def _builtin_schema(name: str, param: str, description: str, param_doc: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {param: {"type": "string", "description": param_doc}}, "required": [param]}}}
+
+
+SEARCH_SCHEMA = _builtin_schema("search", "query", "Search the corpus; returns the best-matching passages.",
+                                "What to search for.")
+CALCULATE_SCHEMA = _builtin_schema("calculate", "expression", "Evaluate an arithmetic expression (+ - * / // % ** and "
+                                   "parentheses).", "The expression, e.g. (3 + 4) * 2.")
+
+
+@dataclass
+class CallRequest:
+    """One call the model wrote: the tool's name and its arguments, or the problem that makes it a failed call."""
+
+    name: str | None
+    arguments: dict
+    problem: str | None = None
+
+    def message(self) -> dict:
+        """The call as an OpenAI ``tool_calls`` entry (what the template renders)."""
+        return {"type": "function", "function": {"name": self.name or "", "arguments": self.arguments}}
+
+
+def _parse_hermes(text: str) -> tuple[str, list[CallRequest]]:
+    calls = []
+    for match in _TOOL_CALL_RE.finditer(text):
+        body = match.group(1).strip()
+        if not match.group(0).endswith("</tool_call>"):
+            calls.append(CallRequest(None, {}, "unclosed <tool_call>"))
+            continue
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            calls.append(CallRequest(None, {}, f"tool call is not JSON ({exc.msg} at character {exc.pos})"))
+            continue
+        calls.append(_call_from(obj))
+    start = text.find("<tool_call>")
+    return (text if start < 0 else text[:start]).strip(), calls
+
+
+def _call_from(obj: Any) -> CallRequest:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return CallRequest(None, {}, 'a tool call must be {"name": ..., "arguments": {...}}')
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return CallRequest(obj["name"], {}, "the call's arguments are not a JSON object")
+    if not isinstance(arguments, dict):
+        return CallRequest(obj["name"], {}, "the call's arguments are not a JSON object")
+    return CallRequest(obj["name"], arguments)
+
+
+def parse_tool_calls(text: str, tokenizer=None, schemas: Sequence[dict] = ()) -> tuple[str, list[CallRequest]]:
+    """(the turn's text before its calls, its calls): by the tokenizer's response parser when it has
+    a ``response_schema``, else as Hermes ``<tool_call>`` JSON blocks. Never raises for what a model wrote."""
+    if getattr(tokenizer, "response_schema", None):
+        try:
+            parsed = tokenizer.parse_response(text, tools=list(schemas) or None)
+        except Exception as exc:  # noqa: BLE001 - a parser's failure is a failed call
+            return text.strip(), [CallRequest(None, {}, f"the response parser failed ({type(exc).__name__})")]
+        calls = [_call_from(c.get("function", c)) for c in parsed.get("tool_calls") or []]
+        return str(parsed.get("content") or "").strip(), calls
+    return _parse_hermes(text)
+
+
+class FunctionTools:
+    """The tools of one rollout: name -> (schema, callable); class tools are bound to this rollout's instance."""
+
+    def __init__(self, functions: dict[str, Callable], timeout_s: float):
+        self.functions, self.timeout_s = functions, timeout_s
+
+    def run(self, calls: Sequence[CallRequest], pool: cf.ThreadPoolExecutor, process_tools: dict) -> list[ToolOutput]:
+        outputs: list[ToolOutput] = []
+        for call in calls:
+            if call.problem is not None:
+                outputs.append(ToolOutput("", call.problem))
+            elif call.name in process_tools:
+                outputs.append(process_tools[call.name].run([call.arguments])[0])
+            elif call.name not in self.functions:
+                outputs.append(ToolOutput("", f"unknown tool {call.name!r}"))
+            else:
+                outputs.append(_run_in_thread(pool, self.functions[call.name], call.arguments, self.timeout_s))
+        return outputs
+
+
+def _run_in_thread(pool: cf.ThreadPoolExecutor, fn: Callable, arguments: dict, timeout_s: float) -> ToolOutput:
+    future = pool.submit(fn, **arguments)
+    try:
+        return ToolOutput(result_text(future.result(timeout=timeout_s)))
+    except cf.TimeoutError:
+        return ToolOutput("", f"timed out after {timeout_s}s")
+    except Exception as exc:  # noqa: BLE001 - any tool failure is an observation
+        return ToolOutput("", f"{type(exc).__name__}: {exc}")
+
+
+def result_text(value: Any) -> str:
+    """A tool's result as the text of its ``tool`` message: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def class_methods(cls: type) -> list[str]:
+    """The public methods of a TRL-style environment class (its tools); ``reset`` is not one."""
+    return [n for n, m in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_") and n != "reset"]
+
+
+def load_tool_spec(spec: str) -> tuple[str, Any]:
+    """``"pkg.mod:name"`` -> ("function", fn) or ("class", cls); one line when it is neither."""
+    obj = import_callable(spec, "tool")
+    return ("class", obj) if inspect.isclass(obj) else ("function", obj)
+
+
+@dataclass
+class ChatRenderer:
+    """The chat template with the tools: renders conversations and computes what follows a sampled turn."""
+
+    tokenizer: Any
+    schemas: list[dict]
+    chat_template: str | None = None
+    _base: str = field(default="", init=False)
+    _end_of_turn: str = field(default="", init=False)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, with_tools: bool = True) -> str:
+        """The template's text for ``messages`` with the tools; a template error is one line."""
+        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tools=self.schemas if with_tools else None, **extra)
+        except Exception as exc:  # noqa: BLE001 - jinja raises its own errors
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"the chat template cannot render the tools and their calls ({first})") from None
+
+    def check(self) -> None:
+        """The template renders every schema and is prefix-stable over a call and its result; else one line."""
+        probe = [{"role": "user", "content": "Q"}]
+        with_tools = self.render(probe, True)
+        without = self.render(probe, True, with_tools=False)
+        missing = [s["function"]["name"] for s in self.schemas if s["function"]["name"] not in with_tools]
+        if with_tools == without or missing:
+            raise ValueError(f"the chat template does not render the tool schemas ({', '.join(missing) or 'tools='} "
+                             "missing from the prompt): give env.chat_template: hermes, or a model whose template "
+                             "supports tools")
+        self._base = with_tools
+        turn = self.render(probe + [{"role": "assistant", "content": _SENTINEL}])
+        if not turn.startswith(with_tools) or _SENTINEL not in turn:
+            raise ValueError("the chat template renders an assistant turn that does not continue the prompt; "
+                             "tool turns cannot be appended to the sampled ids")
+        self._end_of_turn = turn[turn.index(_SENTINEL) + len(_SENTINEL):]
+
+    def continuation(self, sampled_text: str, content: str, calls: Sequence[CallRequest],
+                     results: Sequence[str]) -> tuple[str, bool]:
+        """(the text to append after the sampled turn: end-of-turn glue, the ``tool`` messages and the
+        next generation prompt; whether the template re-renders the turn exactly as sampled)."""
+        probe = [{"role": "user", "content": "Q"}]
+        assistant = {"role": "assistant", "content": content,
+                     "tool_calls": [c.message() for c in calls if c.problem is None]}
+        tools = [{"role": "tool", "name": c.name or "error", "content": r} for c, r in zip(calls, results)]
+        ref = self.render(probe + [assistant])
+        full = self.render(probe + [assistant, *tools], True)
+        if not (ref.startswith(self._base) and full.startswith(ref)):
+            raise ValueError("the chat template renders a conversation's prefix differently once a tool result "
+                             "follows; tool turns cannot be appended to the sampled ids")
+        turn = ref[len(self._base):]
+        if turn.startswith(sampled_text):
+            return turn[len(sampled_text):] + full[len(ref):], True
+        end = self._end_of_turn
+        overlap = next((k for k in range(len(end), 0, -1) if sampled_text.endswith(end[:k])), 0)
+        return end[overlap:] + full[len(ref):], False
