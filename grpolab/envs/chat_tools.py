@@ -236,16 +236,23 @@ class ChatRenderer:
                      results: Sequence[str]) -> tuple[str, bool]:
         """(the text to append after the sampled turn: end-of-turn glue, the ``tool`` messages and the
         next generation prompt; whether the template re-renders the turn exactly as sampled)."""
-        probe = [{"role": "user", "content": "Q"}]
         assistant = {"role": "assistant", "content": content,
                      "tool_calls": [c.message() for c in calls if c.problem is None]}
         tools = [{"role": "tool", "name": c.name or "error", "content": r} for c, r in zip(calls, results)]
-        ref = self.render(probe + [assistant])
-        full = self.render(probe + [assistant, *tools], True)
-        if not (ref.startswith(self._base) and full.startswith(ref)):
-            raise ValueError("the chat template renders a conversation's prefix differently once a tool result "
-                             "follows; tool turns cannot be appended to the sampled ids")
-        turn = ref[len(self._base):]
+        return self.after_turn([{"role": "user", "content": "Q"}], assistant, tools, sampled_text)
+
+    def after_turn(self, history: list[dict], assistant: dict, following: list[dict],
+                   sampled_text: str) -> tuple[str, bool]:
+        """What follows a sampled assistant turn (rendered as ``assistant`` after ``history``) when
+        ``following`` messages come next: the text to tokenise and append, and whether the template's
+        rendering of the turn starts with exactly the sampled text (else the sampled ids win)."""
+        base = self.render(history, True)
+        ref = self.render(history + [assistant])
+        full = self.render(history + [assistant, *following], True)
+        if not (ref.startswith(base) and full.startswith(ref)):
+            raise ValueError("the chat template renders a conversation's prefix differently once more messages "
+                             "follow; the next turn cannot continue the sampled ids")
+        turn = ref[len(base):]
         if turn.startswith(sampled_text):
             return turn[len(sampled_text):] + full[len(ref):], True
         end = self._end_of_turn
