@@ -271,7 +271,7 @@ def sample_and_score(backend, scorer, sampler, inputs, cfg: DistillConfig, sampl
         return examples, rollouts, [{} for _ in rollouts]
     scores = scorer.score([r.scored_response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts],
                           prompts=[r.prompt for r in rollouts],
-                          questions=[examples[r.prompt_index].question for r in rollouts])
+                          questions=[examples[r.prompt_index].question for r in rollouts], rollouts=rollouts)
     return examples, rollouts, scores
 
 
@@ -307,8 +307,8 @@ def train_distill(cfg: DistillConfig, *, model=None, tokenizer=None, resume: boo
                                autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
                                **cfg.backend_options())
         run.on_close(backend.close)
-        if cfg.env is not None:  # multi-turn: tool calls between turns, observations masked from the loss
-            backend = EnvBackend(backend, run.env)
+        if run.env is not None:  # multi-turn: tool calls between turns, observations masked from the loss
+            backend = EnvBackend(backend, run.env, template=inputs.template)
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)

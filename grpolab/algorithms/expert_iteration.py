@@ -93,7 +93,7 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
             )
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch], cfg.group_size, sampling)
             scores = scorer.score([r.scored_response for r in rollouts],
-                                  [batch[r.prompt_index].answer for r in rollouts])
+                                  [batch[r.prompt_index].answer for r in rollouts], rollouts=rollouts)
             kept = [(r.prompt_ids, r.response_ids) for r, s in zip(rollouts, scores) if s["reward"] >= 1.0]
             kept = [pair for part in distributed.all_gather_objects(kept) for pair in part]
             entropy = token_entropies(run.sampling_model, rollouts[: min(len(rollouts), 256)], tokenizer,

@@ -317,7 +317,7 @@ def train_grpo(
                                 grpo_per_token(batch, update, stats) if stats else {}, trained_signal(batch, cfg),
                                 groups.examples)
             m.update(source.figures(step, m, clock))
-            m = clock.figures(m, run, groups, is_stats, with_tools=cfg.env is not None,
+            m = clock.figures(m, run, groups, is_stats, with_tools=run.env is not None,
                               reward_errors=source.reward_errors)
             log_step(run, health, update, m, scorer.last_error, step)
             if cfg.max_rollout_samples and clock.samples.items[0] >= cfg.max_rollout_samples:

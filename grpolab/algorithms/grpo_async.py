@@ -178,7 +178,8 @@ def rollout_source(run: Run, cfg: GRPOConfig, inputs, scorer, sampler, sampling,
         cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
         autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
         **cfg.backend_options())
-    with_env = (lambda b: EnvBackend(b, run.env)) if cfg.env is not None else (lambda b: b)  # multi-turn
+    with_env = (lambda b: EnvBackend(b, run.env, template=inputs.template)) if run.env is not None \
+        else (lambda b: b)  # multi-turn
     if cfg.max_staleness:  # a sampler with its own weights runs ahead (training/async_rollouts.py)
         scorer = LockedScorer(scorer)
         own, stager, reseed = sampler_backend(cfg, run.sampling_model, tokenizer, make, generator)

@@ -43,7 +43,7 @@ def _score_round(backend, scorer, examples: list, template, cfg, sampling) -> tu
     rollouts = backend.generate([template.format(e.question) for e in examples], cfg.group_size, sampling)
     scores = scorer.score([r.scored_response for r in rollouts], [examples[r.prompt_index].answer for r in rollouts],
                           prompts=[r.prompt for r in rollouts],
-                          questions=[examples[r.prompt_index].question for r in rollouts])
+                          questions=[examples[r.prompt_index].question for r in rollouts], rollouts=rollouts)
     scores = apply_call_cost(scores, rollouts, getattr(cfg, "call_cost", 0.0))  # tool use: a price per call
     rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     if cfg.overlong_buffer_len:

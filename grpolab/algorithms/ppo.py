@@ -237,7 +237,7 @@ def train_ppo(
             rollouts = backend.generate([inputs.template.format(e.question) for e in batch_q], cfg.group_size, sampling)
             answers = [batch_q[r.prompt_index].answer for r in rollouts]
             scores = scorer.score([r.scored_response for r in rollouts], answers, prompts=[r.prompt for r in rollouts],
-                                  questions=[batch_q[r.prompt_index].question for r in rollouts])
+                                  questions=[batch_q[r.prompt_index].question for r in rollouts], rollouts=rollouts)
             score = torch.tensor([s["reward"] for s in scores])
             rollout_s = time.perf_counter() - t0
             batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad)

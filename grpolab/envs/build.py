@@ -16,16 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .base import ToolEnv
 from .calculator import Calculator
-from .chat_rollouts import ChatToolEnv
-from .chat_tools import (
-    CALCULATE_SCHEMA,
-    CHAT_TEMPLATES,
-    SEARCH_SCHEMA,
-    ChatRenderer,
-    class_methods,
-    function_schema,
-    load_tool_spec,
-)
 from .custom import CustomTool
 from .retrieval import RetrievalAugmentedTemplate, SearchTool, open_index
 
@@ -87,6 +77,8 @@ class EnvSettings(BaseModel):
     dataset is the task, its rubric the reward, its tools the tools (``pip install 'grpolab[envs]'``)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """``verifiers`` only: keyword arguments of the environment's ``load_environment(**args)``."""
+    rollout_timeout_s: float = Field(120.0, gt=0)
+    """A multi-turn ``verifiers`` environment only: the most one rollout (its turns and its rubric) may take."""
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -177,6 +169,8 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
     tool_format = env_options.pop("tool_format", "tags")
     chat_template = env_options.pop("chat_template", None)
     env_options.pop("args", None)
+    if env_options.pop("rollout_timeout_s", None) is not None:
+        raise ValueError("env.rollout_timeout_s is for a multi-turn verifiers environment (env.verifiers)")
     if env_options.pop("verifiers", None) is not None:
         raise ValueError("env.verifiers: build the environment with grpolab.envs.vf (build_run_env does)")
     if tool_format == "chat_template":
@@ -213,11 +207,22 @@ CHAT_ENV_KEYS = ("max_turns", "max_total_tokens", "call_cost", "max_observation_
 
 
 def build_chat_env(tools: Sequence[Any], tokenizer, chat_template: str | None = None, *, search=None,
-                   tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096, **limits) -> ChatToolEnv:
+                   tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096, **limits):
     """A ``ChatToolEnv`` (native function calling): ``tools`` are ``"search"`` (``search()`` builds
     the retriever), ``"calculate"``, ``"pkg.mod:fn"`` (a typed, documented function, run in a worker
     process), ``"pkg.mod:Class"`` (its public methods, one instance per rollout) or Python callables
     (run in a thread); the schemas are checked against the template before anything runs."""
+    from .chat_rollouts import ChatToolEnv  # imported here: a config's --help reads this module without torch
+    from .chat_tools import (
+        CALCULATE_SCHEMA,
+        CHAT_TEMPLATES,
+        SEARCH_SCHEMA,
+        ChatRenderer,
+        class_methods,
+        function_schema,
+        load_tool_spec,
+    )
+
     if tokenizer is None:
         raise ValueError("tool_format: chat_template needs the model's tokenizer (its chat template renders the tools)")
     template = CHAT_TEMPLATES.get(chat_template, chat_template)

@@ -11,14 +11,16 @@ of every loss. A tool's result cannot fake a turn: the text of the tokenizer's s
 (``<|im_end|>``, ``<|im_start|>``, ...) is removed from it before it is rendered.
 
 Per rollout, ``info`` counts ``tool_calls``, ``tool_errors``, ``malformed_calls`` and
-``template_mismatches``; ``Rollout.messages`` is the conversation after the prompt (assistant turns
-with their ``tool_calls``, ``tool`` results), for rewards that read messages.
+``template_mismatches``; ``Rollout.messages`` is the conversation after the prompt in OpenAI's format
+(assistant turns with their ``tool_calls``, arguments as JSON text; ``tool`` results with their
+``tool_call_id``), for rewards that read messages (a verifiers rubric).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,11 @@ class ChatToolEnv:
     max_observation_tokens: int | None = None
     tool_timeout_s: float = 10.0
     _pool: cf.ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+
+    def bind(self, template) -> None:
+        """Render the run's prompts with this environment's tool schemas (a chat template's ``use_tools``)."""
+        if callable(getattr(template, "use_tools", None)):
+            template.use_tools(self.renderer.schemas, self.renderer.chat_template)
 
     def rollouts(self, backend, prompts, n, sampling, prompt_ids=None, tokenizer=None) -> list[Rollout]:
         """``chat_rollouts`` in this environment (what ``EnvBackend.generate`` calls)."""
@@ -132,8 +139,10 @@ def chat_rollouts(backend, env: ChatToolEnv, prompts: Sequence[str], n: int, sam
                 continue
             t.trace.calls += len(calls)
             t.malformed += sum(c.problem is not None for c in calls)
-            t.messages.append({"role": "assistant", "content": content,
-                               "tool_calls": [c.message() for c in calls if c.problem is None]})
+            t.messages.append({"role": "assistant", "content": content, "tool_calls": [
+                {"id": f"call_{turn}_{k}", "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                for k, c in enumerate(calls) if c.problem is None]})
             pending.append((i, out, content, calls))
         live = []
         for i, out, content, calls in pending:
@@ -141,11 +150,12 @@ def chat_rollouts(backend, env: ChatToolEnv, prompts: Sequence[str], n: int, sam
             results = env.run(t.tools, calls)
             t.trace.errors += sum(r.error is not None for r in results)
             texts = []
-            for call, result in zip(calls, results):
+            for k, (call, result) in enumerate(zip(calls, results)):
                 text, cut = env.result(result, tokenizer)
                 t.trace.truncated += cut
                 texts.append(text)
-                t.messages.append({"role": "tool", "name": call.name or "error", "content": text})
+                t.messages.append({"role": "tool", "tool_call_id": f"call_{turn}_{k}", "name": call.name or "error",
+                                   "content": text})
             if turn + 1 >= env.max_turns:
                 continue  # calls in the last turn get no observation
             sampled = tokenizer.decode(out.response_ids, skip_special_tokens=False)

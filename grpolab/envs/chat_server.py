@@ -15,7 +15,9 @@ same earlier messages, then that assistant message) continues from exactly the i
 its prompt ids are that turn's prompt and completion ids, then the template's text for what
 follows it, tokenised once (``ChatRenderer.after_turn``). So the ids of a whole conversation are
 one sequence in which every model turn is the sampled ids. ``exchanges(key)`` returns what was
-served under a request's ``model`` name (a driver gives each rollout its own, ``policy@<key>``).
+served under a request's ``model`` name (a driver gives each rollout its own, ``policy@<key>``). A
+request's ``seed`` is offset by the number of completions already served under its name, so the
+turns of one conversation never replay one random stream.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 
 from ..rollout import SamplingParams
 from .chat_tools import _SENTINEL, ChatRenderer, parse_tool_calls
+
+SEED_STRIDE = 1_000_003  # turn t of a conversation samples with seed + t * SEED_STRIDE
 
 
 @dataclass
@@ -184,12 +188,16 @@ class ChatServer:
         tools = body.get("tools") or None
         renderer = self._renderer(tools)
         prompt_ids, chained, exact = self._prompt(messages, renderer)
-        job = _Job(prompt_ids, _sampling(body, self.max_tokens), int(body.get("n") or 1))
+        key, choices = str(body.get("model") or "policy"), []
+        sampling = _sampling(body, self.max_tokens)
+        if sampling.seed is not None:  # a harness sends one seed for every turn: each turn draws its own stream
+            with self._lock:
+                sampling.seed += SEED_STRIDE * len(self._by_key.get(key, []))
+        job = _Job(prompt_ids, sampling, int(body.get("n") or 1))
         self._jobs.put(job)
         job.done.wait()
         if job.error is not None:
             raise RuntimeError(job.error)
-        key, choices = str(body.get("model") or "policy"), []
         for i, out in enumerate(job.outputs):
             content, calls = parse_tool_calls(out.response, self.tokenizer, renderer.schemas) if tools else \
                 (out.response, [])

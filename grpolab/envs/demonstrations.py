@@ -100,4 +100,8 @@ def tool_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
         "tools/call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,
         # observations cut at max_observation_chars/_tokens in this batch (a count, not a mean)
         "tools/truncated_observations": sum(i.get("truncated_observations", 0) for i in info),
+        # native function calling (counts): calls that were not a valid call, and turns the template
+        # re-renders differently from what was sampled (the sampled ids were kept)
+        "tools/malformed_calls": sum(i.get("malformed_calls", 0) for i in info),
+        "tools/template_mismatches": sum(i.get("template_mismatches", 0) for i in info),
     }

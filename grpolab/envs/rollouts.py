@@ -154,9 +154,11 @@ class EnvBackend:
     returns multi-turn rollouts, so code written for a backend (``evaluate``, a trainer's sampling
     phase, ``grpolab eval``/``compare``) uses the environment unchanged."""
 
-    def __init__(self, backend, env: ToolEnv, tokenizer=None):
+    def __init__(self, backend, env: ToolEnv, tokenizer=None, template=None):
         self.backend, self.env = backend, env
         self.tokenizer = _tokenizer_of(backend, tokenizer)
+        if template is not None and callable(getattr(env, "bind", None)):
+            env.bind(template)  # native function calling: the prompts render the tools; an environment finds its rows
 
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
                  prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:

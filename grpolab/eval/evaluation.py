@@ -35,7 +35,7 @@ def _mean(xs) -> float:
 
 
 def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, responses, gts, prompts=None,
-           questions=None):
+           questions=None, rollouts=None):
     """Scores, the number of reward errors of this call (a reused scorer keeps its own total), and the
     names of the reward models among the components (none for a rule reward)."""
     own = scorer is None
@@ -43,7 +43,7 @@ def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, resp
     before = scorer.errors
     try:
         with unnormalized(scorer.model_reward):  # a training scorer's running statistics stay as they are
-            scores = scorer.score(responses, gts, prompts=prompts, questions=questions)
+            scores = scorer.score(responses, gts, prompts=prompts, questions=questions, rollouts=rollouts)
     finally:
         if own:
             scorer.close()
@@ -105,7 +105,7 @@ def evaluate(
     gts = [examples[r.prompt_index].answer for r in rollouts]
     scores, errors, model_names = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts],
                                          gts, [r.prompt for r in rollouts],
-                                         [examples[r.prompt_index].question for r in rollouts])
+                                         [examples[r.prompt_index].question for r in rollouts], rollouts)
     correct = correctness(scores, model_names)
     metrics = {
         **score_metrics(scores, [len(r.response_ids) for r in rollouts], model_names, correct),

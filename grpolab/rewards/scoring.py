@@ -117,10 +117,13 @@ class RewardScorer:
 
     # ---------------------------------------------------------------- scoring
     def score(self, responses: Sequence[str], ground_truths: Sequence[Any], prompts: Sequence[Any] | None = None,
-              questions: Sequence[Any] | None = None) -> list[dict[str, float]]:
+              questions: Sequence[Any] | None = None, rollouts: Sequence[Any] | None = None) -> list[dict[str, float]]:
         """One score dict per response (``reward`` and whatever else the reward returns). Reward
         models read ``prompts`` (the text each response continues) or, with their ``chat_template``,
-        ``questions``; rule rewards ignore both."""
+        ``questions``; rule rewards ignore both. A reward marked ``reads_rollout`` (a verifiers rubric)
+        gets, for each of ``rollouts``, ``{"response", "messages", "info"}`` in place of the text."""
+        if rollouts is not None and getattr(self.reward_fn, "reads_rollout", False):
+            responses = [rollout_view(r) for r in rollouts]
         if self.model_reward is None:
             return self._score_rules(responses, ground_truths)
         if prompts is None:
@@ -210,6 +213,12 @@ class RewardScorer:
     def __repr__(self) -> str:
         return (f"RewardScorer({_describe(self.reward_fn)}, timeout_s={self.timeout_s}, mode={self.mode!r}, "
                 f"errors={self.errors})")
+
+
+def rollout_view(rollout) -> dict:
+    """What a ``reads_rollout`` reward gets of a rollout: the model's text, its chat messages (None
+    for a single-turn rollout) and its per-rollout figures, as plain data a worker can be sent."""
+    return {"response": rollout.scored_response, "messages": rollout.messages, "info": dict(rollout.info)}
 
 
 def check_reward_output_of(reward_fn: Any, response: str, ground_truth: Any) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""What a run trains and validates on: one place that turns a config's data fields (``task`` or
-``train_data``, ``eval_data``, ``prompt_template``, ``reward``) into examples, a prompt template
-and a reward function — for every trainer and for ``grpolab eval``."""
+"""What a run trains and validates on: one place that turns a config's data fields (``task``,
+``train_data`` or ``env.verifiers``, ``eval_data``, ``prompt_template``, ``reward``) into examples, a
+prompt template and a reward function — for every trainer and for ``grpolab eval``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ..data import (
     load_sft_pairs,
     load_template,
 )
+from ..data.tasks.vf import VerifiersTask
 from ..envs import retrieval_template
 from ..models import EMBEDDED_PREFIX, load_tokenizer, model_directory
 from ..rewards import build_reward, has_reward_model, lenient_reward, reward_reads_tags
@@ -117,28 +118,44 @@ def task_reward(task, template) -> Any:
 def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
                  reward: Any = None, task_options: dict | None = None, retrieval: dict | None = None,
                  tokenizer=None, system_prompt: str | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
-    """``task:NAME`` (an embedded task's ``split``), ``rg:NAME`` (a reasoning-gym generator's) or a data
-    file -> (examples[:n], template, reward)."""
+    """``task:NAME`` (an embedded task's ``split``), ``rg:NAME`` (a reasoning-gym generator's),
+    ``vf:SPEC`` (a verifiers environment's, ``task_options`` its ``load_environment`` arguments) or a
+    data file -> (examples[:n], template, reward)."""
     name = source[5:] if source.startswith("task:") else source if source.startswith("rg:") else None
-    task = get_task(name, seed=seed, options=task_options) if name is not None else None
+    if source.startswith("vf:"):
+        task = VerifiersTask(source[3:], task_options, seed=seed)
+        n = min(n, task.size(split))  # a fixed dataset: its rows, up to n (as a data file's)
+    else:
+        task = get_task(name, seed=seed, options=task_options) if name is not None else None
     examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
     return (examples, *template_and_reward(task, prompt_template, reward, retrieval, tokenizer=tokenizer,
                                            system_prompt=system_prompt))
 
 
+def run_task(cfg):
+    """The config's task: a verifiers environment (``env.verifiers``), an embedded or reasoning-gym
+    task (``task``), or None (``train_data``)."""
+    env = getattr(cfg, "env", None) or {}
+    if env.get("verifiers"):
+        return VerifiersTask(env["verifiers"], env.get("args") or {}, seed=cfg.seed)
+    return get_task(cfg.task, seed=cfg.seed, options=cfg.task_options) if cfg.task is not None else None
+
+
 def load_inputs(cfg, tokenizer=None) -> Inputs:
     """The examples, template and reward of a config with the shared data fields; ``tokenizer``
     (else the model directory's) renders chat prompts."""
-    task = get_task(cfg.task, seed=cfg.seed, options=cfg.task_options) if cfg.task is not None else None
+    task = run_task(cfg)
     train = (task.examples("train", cfg.task_train_size)
              if task is not None
              else load_examples(cfg.train_data, **data_options(cfg)))
     if cfg.eval_data:
         evals = load_examples(cfg.eval_data, **data_options(cfg))
+    elif isinstance(task, VerifiersTask):  # a fixed evaluation set: its rows, up to eval_examples (as eval_data's)
+        evals = task.examples("validation", min(cfg.eval_examples, task.size("validation")))
     else:
         evals = task.examples("validation", cfg.eval_examples) if task is not None else []
     if not train:
-        raise DataError(f"{cfg.train_data or cfg.task}: no training examples")
+        raise DataError(f"{cfg.train_data or getattr(task, 'name', None) or cfg.task}: no training examples")
     template, reward = template_and_reward(task, cfg.prompt_template, cfg.reward, cfg.retrieval,
                                            **prompt_options(cfg, tokenizer))
     # held-out accuracy is the task verifier's, not a reward model's (which may be hacked)

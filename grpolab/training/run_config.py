@@ -41,6 +41,11 @@ def _named(value: str) -> str:
     return value
 
 
+def _names_verifiers(env: Any) -> bool:
+    """A config's ``env`` names a verifiers environment (``env: {verifiers: NAME}``)."""
+    return isinstance(env, dict) and bool(env.get("verifiers"))
+
+
 class RunConfig(BaseConfig):
     """The fields every training method shares: model, data, reward, optimizer basics, device, seed."""
 
@@ -173,15 +178,21 @@ class RunConfig(BaseConfig):
     @model_validator(mode="before")
     @classmethod
     def _train_data_means_no_task(cls, data: Any) -> Any:
-        """``train_data`` given and ``task`` not: no embedded task (``task`` defaults to arithmetic
-        only for a config that names no data at all)."""
-        if isinstance(data, dict) and data.get("train_data") is not None and "task" not in data:
+        """``train_data`` or ``env.verifiers`` given and ``task`` not: no embedded task (``task``
+        defaults to arithmetic only for a config that names no data at all)."""
+        if isinstance(data, dict) and "task" not in data and (data.get("train_data") is not None
+                                                              or _names_verifiers(data.get("env"))):
             return {**data, "task": None}
         return data
 
     @model_validator(mode="after")
     def _check_data(self):
-        if (self.task is None) == (self.train_data is None):
+        if _names_verifiers(getattr(self, "env", None)):
+            if self.task is not None or self.train_data is not None:
+                given = "task" if self.task is not None else "train_data"
+                raise ValueError(f"env.verifiers is the run's data (its environment's dataset): give no {given} "
+                                 "with it")
+        elif (self.task is None) == (self.train_data is None):
             raise ValueError("give exactly one of task (an embedded task) and train_data (a file)")
         self._check_scale()
         accumulation = getattr(self, "gradient_accumulation_steps", None)

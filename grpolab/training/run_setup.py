@@ -12,6 +12,7 @@ import sys
 import torch
 
 from ..envs import build_env
+from ..envs.vf import build_vf_env
 from ..models import set_logits_fp32
 from .resources import choose_cpu_threads
 
@@ -92,4 +93,6 @@ def build_run_env(cfg, tokenizer):
     options = getattr(cfg, "env", None)
     if options is None:
         return None
+    if options.get("verifiers"):  # a verifiers environment: None for a single-turn one (nothing runs between turns)
+        return build_vf_env(**options, tokenizer=tokenizer)
     return build_env(**options, tokenizer=tokenizer)

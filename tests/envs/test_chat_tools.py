@@ -147,9 +147,9 @@ def test_calls_run_and_the_trained_ids_are_the_sampled_ones(taught):
     masked = [t for t, m in zip(r.response_ids, r.loss_mask) if not m]
     assert tok.decode(masked, skip_special_tokens=False) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert r.info["template_mismatches"] == 0 and r.info["malformed_calls"] == 0
-    assert r.messages[0]["tool_calls"] == [{"type": "function", "function": {"name": "calculate",
-                                                                              "arguments": {"expression": "12+30"}}}]
-    assert r.messages[1] == {"role": "tool", "name": "calculate", "content": "42"}
+    assert r.messages[0]["tool_calls"] == [{"id": "call_0_0", "type": "function", "function": {
+        "name": "calculate", "arguments": '{"expression": "12+30"}'}}]
+    assert r.messages[1] == {"role": "tool", "tool_call_id": "call_0_0", "name": "calculate", "content": "42"}
     assert r.messages[2]["role"] == "assistant" and r.model_response.endswith("42")
 
 

@@ -125,6 +125,7 @@ class ChatTemplate:
         self.wrap_conversations = True
         self.tools: list[dict] | None = None  # function schemas rendered into every prompt (native function calling)
         self.chat_template: str | None = None  # a template in place of the tokenizer's (env.chat_template)
+        self.rendered: dict[str, Any] = {}  # each prompt's text -> its question (an environment looks its row up)
         self.text = self.format("{question}")  # what the prompt looks like (messages, logs)
 
     def use_tools(self, schemas: list[dict], chat_template: str | None = None) -> None:
@@ -164,8 +165,11 @@ class ChatTemplate:
 
     def format(self, question: str | list[dict]) -> str:
         prefill = self.preset.prefill if self._wraps(question) else ""
-        return render_chat(self.tokenizer, self.messages(question), add_generation_prompt=True, tools=self.tools,
+        text = render_chat(self.tokenizer, self.messages(question), add_generation_prompt=True, tools=self.tools,
                            chat_template=self.chat_template) + prefill
+        if len(self.rendered) < 1_000_000:
+            self.rendered[text] = question
+        return text
 
     def __call__(self, question) -> str:
         return self.format(question)

@@ -1,0 +1,311 @@
+"""The reward of a ``verifiers`` environment (``env: {verifiers: NAME}``): its own rubric, run in
+grpolab's supervised reward workers like any non-built-in reward.
+
+``vf_rubric_reward`` is module-level on purpose: ``RewardScorer`` names it ``module:function`` and
+rebuilds it in each worker, never unpickles it. Its ground truth is plain data (``{"env", "args",
+"row"}``: the environment's spec and ``load_environment`` arguments, and the dataset row as a JSON
+mapping), so a worker loads the environment itself (once, cached) and rebuilds the state there.
+A worker imports verifiers while it starts (a time budget of its own), but loads the environment
+when it scores its first response, within that response's timeout: an environment whose
+``load_environment`` takes longer than ``reward_timeout_s`` (a dataset to download) needs a longer one.
+
+Only the classic API of verifiers 0.3.x is used (``pip install 'grpolab[envs]'``): ``load_environment``,
+``Environment``, ``Rubric.score_rollout``, ``State`` and its message helpers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import signal
+import sys
+import threading
+import uuid
+from contextlib import contextmanager, suppress
+from copy import deepcopy
+from functools import lru_cache
+from hashlib import sha256
+from pathlib import Path
+from typing import Any, Callable
+
+from .supervisor import RewardWorker
+
+EXTRA_HINT = "pip install 'grpolab[envs]' (or: pip install 'verifiers>=0.3.1,<0.4')"
+GROUND_TRUTH_KEYS = ("env", "args", "row")
+
+
+def require_verifiers():
+    """The ``verifiers`` module with its classic API loaded, or a one-line error naming the extra
+    that installs it."""
+    try:
+        import verifiers
+    except ImportError:
+        raise ValueError(f"env.verifiers needs the verifiers package, which is not installed: {EXTRA_HINT}") from None
+    try:
+        has_classic_api = callable(getattr(verifiers, "load_environment", None))
+    except ImportError as exc:  # a dependency of its classic API is missing
+        raise ValueError(f"verifiers cannot be imported ({type(exc).__name__}: {_first_line(exc)}): "
+                         f"{EXTRA_HINT}") from None
+    if not has_classic_api:
+        raise ValueError(f"verifiers {getattr(verifiers, '__version__', '?')} has no classic load_environment API "
+                         f"(grpolab needs 0.3.x): {EXTRA_HINT}")
+    return verifiers
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _what(spec: str) -> str:
+    return f"verifiers environment {spec!r}"
+
+
+@contextmanager
+def signal_handlers_kept():
+    """Restore the SIGINT and SIGTERM handlers on the way out: ``Environment.__post_init__`` installs
+    its own (a teardown, then exit), which would replace grpolab's checkpoint-on-SIGTERM. Only the
+    main thread may set handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
+
+
+def vf_source(spec: str) -> str:
+    """``spec`` as the ground truth names it: a ``.py`` file by its absolute path (a reward worker may
+    start elsewhere), anything else as given."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"env.verifiers: expected an environment name, module or .py file, got {spec!r}")
+    return str(Path(spec).expanduser().resolve()) if spec.endswith(".py") else spec
+
+
+def load_vf_environment(spec: str, args: dict | None = None):
+    """The environment ``spec`` names, built by its ``load_environment(**args)``, cached per (spec,
+    args). ``spec``: a ``.py`` file, a dotted module, or an installed environment's name (as
+    ``vf.load_environment`` takes it). Every failure is one ``ValueError`` line naming it."""
+    spec = vf_source(spec)  # one cache entry per file, however its path is written
+    try:
+        key = json.dumps(dict(args or {}), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"env.args of {_what(spec)} must be plain data (JSON): {exc}") from None
+    return _load_cached(spec, key)
+
+
+@lru_cache(maxsize=16)
+def _load_cached(spec: str, args_json: str):
+    vf = require_verifiers()
+    args = json.loads(args_json)
+    with signal_handlers_kept():
+        if spec.endswith(".py"):
+            load = _file_loader(spec)
+        else:
+            _check_importable(vf, spec)
+            load = lambda **kw: vf.load_environment(spec, **kw)  # noqa: E731
+        try:
+            env = load(**args)
+        except Exception as exc:  # noqa: BLE001 - the environment's own code: any failure is one line
+            cause = exc.__cause__ if not spec.endswith(".py") and exc.__cause__ is not None else exc
+            where = "" if threading.current_thread() is threading.main_thread() else (
+                " (verifiers environments load in the main thread only: an Environment sets signal handlers)")
+            raise ValueError(f"{_what(spec)}: load_environment raised {type(cause).__name__}: "
+                             f"{_first_line(cause)}{where}") from None
+    check_environment(vf, spec, env)
+    return env
+
+
+def _file_loader(spec: str):
+    """``load_environment`` of the file ``spec``, imported as a module of its own."""
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{_what(spec)} not found: no such file")
+    name = f"grpolab_vf_env_{path.stem}_{sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+    module = sys.modules.get(name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # before exec: dataclasses and pickle look the module up by name
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - a user's file
+            del sys.modules[name]
+            raise ValueError(f"{_what(spec)}: importing {path} raised {type(exc).__name__}: "
+                             f"{_first_line(exc)}") from None
+    load = getattr(module, "load_environment", None)
+    if not callable(load):
+        raise ValueError(f"{_what(spec)}: {path} defines no load_environment function")
+    return load
+
+
+def _check_importable(vf, spec: str) -> None:
+    """A dotted module, or an installed environment (its module, as verifiers names it), that
+    defines ``load_environment``; else one line saying which is missing."""
+    from verifiers.utils.env_utils import env_module_name
+
+    module_name = spec if _find_module(spec) else env_module_name(spec)
+    if not _find_module(module_name):
+        raise ValueError(f"{_what(spec)} not found: no module {module_name!r} (give a .py file, a module, or an "
+                         "installed environment's name: prime env install NAME)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the environment's own code
+        raise ValueError(f"{_what(spec)}: importing {module_name} raised {type(exc).__name__}: "
+                         f"{_first_line(exc)}") from None
+    if not callable(getattr(module, "load_environment", None)):
+        raise ValueError(f"{_what(spec)}: module {module_name} defines no load_environment function")
+
+
+def _find_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that does not exist, an empty or relative name
+        return False
+
+
+def check_environment(vf, spec: str, env: Any) -> None:
+    """``env`` is a ``vf.Environment`` whose rubric grpolab can score one response at a time."""
+    if not isinstance(env, vf.Environment):
+        raise ValueError(f"{_what(spec)}: load_environment returned {type(env).__name__}, not a verifiers "
+                         "Environment")
+    if env.rubric.has_group_rewards:
+        raise ValueError(f"{_what(spec)}: its rubric has group-level reward functions (scoring a group of "
+                         "rollouts together), which grpolab does not support: it scores each response alone")
+    if not _has_reward_functions(env.rubric):
+        raise ValueError(f"{_what(spec)}: its rubric has no reward functions (verifiers cannot score with it)")
+
+
+def _has_reward_functions(rubric) -> bool:
+    """Every rubric of a group (``RubricGroup``) has at least one function, as ``score_rollout`` asserts."""
+    rubrics = getattr(rubric, "rubrics", None)
+    if rubrics is not None:
+        return all(_has_reward_functions(r) for r in rubrics)
+    return bool(rubric.funcs)
+
+
+def environment_kind(env: Any) -> str:
+    """``single_turn`` (``SingleTurnEnv``), ``tool`` (``ToolEnv`` and its subclasses) or ``multi_turn``
+    (any other environment)."""
+    vf = require_verifiers()
+    if isinstance(env, vf.SingleTurnEnv):
+        return "single_turn"
+    if isinstance(env, vf.ToolEnv):
+        return "tool"
+    return "multi_turn"
+
+
+def tool_functions(env: Any) -> dict[str, Callable]:
+    """A ``ToolEnv``'s Python functions by the names the model calls them ({} for other environments)."""
+    return dict(getattr(env, "tool_map", None) or {}) if environment_kind(env) == "tool" else {}
+
+
+def rollout_state(env, row: dict, completion: list[dict]):
+    """A ``vf.State`` as ``Environment.init_state`` builds it from ``row`` (no client or model:
+    nothing is sampled), completed by ``completion``: one trajectory step per assistant message, so
+    ``num_turns`` and the tool-call counts read as after a rollout. What an environment's own
+    ``setup_state`` or ``env_response`` would add to the state is not there."""
+    from verifiers.types import RolloutTiming, State, TrajectoryStep, flatten_task_input
+    from verifiers.utils.message_utils import normalize_messages
+
+    state_input = deepcopy(row)
+    if isinstance(state_input.get("info"), str):
+        state_input["info"] = json.loads(state_input["info"])
+    task = flatten_task_input(state_input)
+    state = State(input=task)
+    state["task"] = task
+    if isinstance(task.get("prompt"), (str, list)):
+        state["prompt"] = normalize_messages(task["prompt"], field_name="input.prompt")
+    messages = normalize_messages(completion, field_name="completion")
+    info = state.get("info")
+    tool_defs = info["tool_defs"] if isinstance(info, dict) and "tool_defs" in info else env.tool_defs or []
+    trajectory_id = uuid.uuid4().hex
+    prompt = list(state.get("prompt") or [])
+    steps = [TrajectoryStep(prompt=prompt + messages[:i], completion=[m], response=None, tokens=None, reward=None,
+                            advantage=None, is_truncated=False, trajectory_id=trajectory_id, extras={})
+             for i, m in enumerate(messages) if m.role == "assistant"]
+    state.update(client=None, model=None, sampling_args=None, is_completed=True, is_truncated=False,
+                 tool_defs=env._normalize_tool_defs(tool_defs) or [], trajectory=steps, trajectory_id=trajectory_id,
+                 reward=None, metrics=None, error=None, final_env_response=None, timing=RolloutTiming())
+    state["completion"] = messages
+    env._get_usage_tracker(state, create_if_missing=True)  # state["usage"], as init_state leaves it
+    return state
+
+
+def _completion(response: Any) -> list[dict]:
+    """The completion's chat messages: the text as one assistant message, a message list as it is,
+    or a rollout's view (``{"response", "messages", "info"}``): its messages, else its text."""
+    if isinstance(response, dict) and "response" in response:
+        return _completion(response.get("messages") or response["response"])
+    if isinstance(response, str):
+        return [{"role": "assistant", "content": response}]
+    if isinstance(response, list) and all(isinstance(m, dict) and "role" in m for m in response):
+        return response
+    raise ValueError(f"vf_rubric_reward: expected the response text, a list of chat messages or a rollout's view, "
+                     f"got {type(response).__name__}")
+
+
+def _live_score(response: Any) -> dict | None:
+    """The score an environment-driven rollout already got from the rubric on its live state
+    (``info["vf_score"]``: ``reward`` and the functions' values), or None."""
+    info = response.get("info") if isinstance(response, dict) else None
+    score = info.get("vf_score") if isinstance(info, dict) else None
+    if not isinstance(score, dict) or "reward" not in score:
+        return None
+    return {"reward": score["reward"], **{f"vf/{k}": v for k, v in score.items() if k != "reward"}}
+
+
+def vf_rubric_reward(response: str | list[dict] | dict, ground_truth: dict) -> dict[str, float]:
+    """The environment's rubric on ``response``: the model's text, the completion's chat messages
+    (multi-turn and tool rollouts), or the scorer's view of a rollout (``reads_rollout``: its
+    messages, or the score its environment-driven rollout already got). Returns ``reward`` (the
+    rubric's weighted sum) and each function's value as ``vf/NAME``.
+
+    verifiers swallows an exception of a single reward function (it logs it and scores that
+    function 0.0), so such an error lowers the reward without being counted; a NaN or inf value is
+    a one-line ValueError here, which the scorer counts as an error and scores 0."""
+    if not isinstance(ground_truth, dict) or any(k not in ground_truth for k in GROUND_TRUTH_KEYS):
+        raise ValueError(f"vf_rubric_reward: expected the ground truth of a VerifiersTask example (a mapping of "
+                         f"{', '.join(GROUND_TRUTH_KEYS)}), got {type(ground_truth).__name__}")
+    spec = ground_truth["env"]
+    scores = _live_score(response)
+    if scores is None:
+        env = load_vf_environment(spec, ground_truth["args"])
+        completion = _completion(response)
+        try:
+            state = rollout_state(env, ground_truth["row"], completion)
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ValueError(f"{_what(spec)}: the row or completion is not verifiers chat messages "
+                             f"({type(exc).__name__}: {_first_line(exc)})") from None
+        asyncio.run(env.rubric.score_rollout(state))
+        scores = {"reward": state["reward"], **{f"vf/{k}": v for k, v in (state["metrics"] or {}).items()}}
+    out = {}
+    for key, value in scores.items():
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{_what(spec)}: the rubric's {key} is {value!r}, not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{_what(spec)}: the rubric's {key} is {value} (NaN or inf is an error, not a reward)")
+        out[key] = value
+    return out
+
+
+vf_rubric_reward.reads_rollout = True  # RewardScorer.score(..., rollouts=...) hands it each rollout's view
+
+
+def _started_as_reward_worker() -> bool:
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(main_file) and Path(main_file).resolve() == RewardWorker.SCRIPT.resolve()
+
+
+if _started_as_reward_worker():
+    # A reward worker imports this module while starting (a budget of its own): verifiers' classic
+    # API (~5 s of imports) is loaded now, so that the first response's timeout does not pay for it.
+    with suppress(ValueError):
+        require_verifiers()
