@@ -198,3 +198,22 @@ def test_a_named_function_tool_runs_in_a_worker_process_with_its_arguments():
     result = json.loads(out[0].text)
     assert result["sum"] == 42 and result["pid"] != os.getpid()  # computed in the worker process
     assert "TypeError" in out[1].error  # a missing argument fails that call only
+
+
+def test_a_grpo_run_renders_the_tools_into_its_prompts(tmp_path):
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+    from grpolab.training.metric_logging import read_metrics
+    from tests.helpers.chat_models import chat_model_dir
+
+    cfg = GRPOConfig(model=str(chat_model_dir(tmp_path / "m")), task="arithmetic", prompt_template="chat",
+                     env={"tools": ["calculate"], "tool_format": "chat_template", "chat_template": COMPACT_TOOLS,
+                          "max_turns": 2, "max_total_tokens": 40},
+                     n_grpo_steps=1, rollout_batch_size=8, group_size=4, train_batch_size=8,
+                     gradient_accumulation_steps=2, sampling_max_tokens=20, sampling_min_tokens=1, warmup_steps=0,
+                     task_train_size=10, eval_examples=2, token_record_groups=2, run_dir=str(tmp_path / "run"),
+                     show_progress=False, device="cpu")
+    result = train_grpo(cfg)
+    step = [r for r in read_metrics(result.metrics_path) if "train/reward" in r][0]
+    assert "tools/malformed_calls" in step and "tools/template_mismatches" in step
+    records = [json.loads(line) for line in (tmp_path / "run" / "tokens.jsonl").read_text().splitlines()]
+    assert records and all("<|im_start|>system\ntools: calculate<|im_end|>" in g["prompt"] for g in records)
