@@ -217,7 +217,8 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s) if inputs.reward is not None else None
         backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator)
-        measure = validation(run, EnvBackend(backend, env) if env is not None else backend, inputs, cfg, scorer)
+        measure = validation(run, EnvBackend(backend, env, template=inputs.template) if env is not None else backend,
+                             inputs, cfg, scorer)
         reached = []  # (step, figures) of the validation whose accuracy reached stop_at_eval_accuracy
 
         def validate(step: int) -> dict:

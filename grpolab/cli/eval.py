@@ -67,7 +67,7 @@ def eval_cmd(
         sampler = make_backend(opts.backend, lm, tok, seed=opts.seed, autocast_dtype=autocast,
                                **({"dtype": opts.dtype} if opts.backend == "vllm" else {}))
         if opts.env is not None:  # multi-turn: the tools run around the same sampler
-            sampler = _env_backend(sampler, opts.env, tok)
+            sampler = _env_backend(sampler, opts.env, tok, template)
         typer.echo(_eval_plan(lm, len(examples), opts.k, opts.max_tokens, autocast), err=True)
         metrics, generations = evaluate_model(
             lm, tok, sampler, examples, template, reward_fn, k=opts.k, temperature=opts.temperature,
@@ -110,8 +110,9 @@ def _eval_plan(model, questions: int, k: int, max_tokens: int, autocast) -> str:
     )
 
 
-def _env_backend(sampler, path: Path, tokenizer):
-    """``sampler`` wrapped in the tool environment described by the YAML file ``path``."""
+def _env_backend(sampler, path: Path, tokenizer, template=None):
+    """``sampler`` wrapped in the tool environment described by the YAML file ``path`` (native function
+    calling: the prompts ``template`` renders carry the tool schemas)."""
     from ..envs import EnvBackend, build_env, load_env_file
 
-    return EnvBackend(sampler, build_env(**load_env_file(path), tokenizer=tokenizer))
+    return EnvBackend(sampler, build_env(**load_env_file(path), tokenizer=tokenizer), template=template)
