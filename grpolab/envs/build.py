@@ -16,6 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .base import ToolEnv
 from .calculator import Calculator
+from .chat_rollouts import ChatToolEnv
+from .chat_tools import (
+    CALCULATE_SCHEMA,
+    CHAT_TEMPLATES,
+    SEARCH_SCHEMA,
+    ChatRenderer,
+    class_methods,
+    function_schema,
+    load_tool_spec,
+)
 from .custom import CustomTool
 from .retrieval import RetrievalAugmentedTemplate, SearchTool, open_index
 
@@ -207,22 +217,11 @@ CHAT_ENV_KEYS = ("max_turns", "max_total_tokens", "call_cost", "max_observation_
 
 
 def build_chat_env(tools: Sequence[Any], tokenizer, chat_template: str | None = None, *, search=None,
-                   tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096, **limits):
+                   tool_timeout_s: float = 10.0, worker_memory_limit_mb: int | None = 4096, **limits) -> ChatToolEnv:
     """A ``ChatToolEnv`` (native function calling): ``tools`` are ``"search"`` (``search()`` builds
     the retriever), ``"calculate"``, ``"pkg.mod:fn"`` (a typed, documented function, run in a worker
     process), ``"pkg.mod:Class"`` (its public methods, one instance per rollout) or Python callables
     (run in a thread); the schemas are checked against the template before anything runs."""
-    from .chat_rollouts import ChatToolEnv  # imported here: a config's --help reads this module without torch
-    from .chat_tools import (
-        CALCULATE_SCHEMA,
-        CHAT_TEMPLATES,
-        SEARCH_SCHEMA,
-        ChatRenderer,
-        class_methods,
-        function_schema,
-        load_tool_spec,
-    )
-
     if tokenizer is None:
         raise ValueError("tool_format: chat_template needs the model's tokenizer (its chat template renders the tools)")
     template = CHAT_TEMPLATES.get(chat_template, chat_template)
