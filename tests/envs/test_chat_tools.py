@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from grpolab.core import build_sequences, sft_microbatch_train_step
+from grpolab.core import build_sequences
 from grpolab.data.prompts.chat import ChatTemplate
 from grpolab.envs import EnvBackend, build_env, loss_mask_tensor
 from grpolab.envs.chat_tools import function_schema, parse_tool_calls
@@ -17,6 +17,7 @@ from grpolab.models.fused_head import response_log_probs
 from grpolab.models.tiny import build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
 from tests.helpers.chat_models import CHATML, chat_tokenizer
+from tests.helpers.teaching import teach
 
 # ChatML with tools, short enough for the character tokenizer's 512 positions: the tool names in the
 # system turn, calls as <tool_call> JSON, results as tool turns
@@ -79,18 +80,7 @@ def taught():
     model = build_tiny_model("tiny", tok, seed=0)
     batch = build_sequences(prompts, responses, tok.pad_token_id)
     mask = batch["response_mask"] & loss_mask_tensor([len(p) for p in prompts], masks, batch["labels"].shape)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(200):
-            lp = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
-            sft_microbatch_train_step(lp, mask, 1)
-            optimizer.step()
-            optimizer.zero_grad()
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
+    teach(model, batch, mask, 200)
     return model, tok, template, env
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from grpolab.core import build_sequences, grpo_microbatch_train_step, sft_microbatch_train_step
+from grpolab.core import build_sequences, grpo_microbatch_train_step
 from grpolab.envs import (
     EnvBackend,
     apply_call_cost,
@@ -22,6 +22,7 @@ from grpolab.eval import evaluate
 from grpolab.models.fused_head import response_log_probs
 from grpolab.models.tiny import build_char_tokenizer, build_tiny_model
 from grpolab.rollout import HFRolloutBackend, SamplingParams
+from tests.helpers.teaching import teach
 
 FACTS = {"Zor": "Vel", "Kel": "Dast", "Mon": "Prel", "Tav": "Gorn"}
 TEMPERATURE = 0.7
@@ -53,18 +54,7 @@ def taught(tmp_path_factory):
     batch = build_sequences([d.prompt_ids for d in demos], [d.response_ids for d in demos], tok.pad_token_id)
     mask = batch["response_mask"] & loss_mask_tensor([len(d.prompt_ids) for d in demos], [d.loss_mask for d in demos],
                                                      batch["labels"].shape)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 4 short rows: one thread is as fast, and far faster on a busy machine
-    try:
-        for _ in range(100):
-            lp = response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
-            sft_microbatch_train_step(lp, mask, 1)
-            optimizer.step()
-            optimizer.zero_grad()
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
+    teach(model, batch, mask, 100)
     return model, tok, make_env
 
 

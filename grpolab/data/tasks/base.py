@@ -88,3 +88,14 @@ class Task:
             ex.meta["source"] = f"task:{self.name}:{split}:{len(out)}"
             out.append(ex)
         return out
+
+
+def plain(value: Any) -> Any:
+    """``value`` as plain data (JSON types), so it can be sent to a worker and logged."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return value.item() if hasattr(value, "item") else str(value)  # numpy scalars; anything else as text

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from ...rewards.gym import make_rg_dataset, require_reasoning_gym, rg_reward_fn, rg_whole_response_reward_fn
 from ..datasets import Example
-from .base import SPLITS, split_of
+from .base import SPLITS, plain, split_of
 from .options import check_options
 
 DEFAULT_SIZE = 100_000
@@ -59,7 +59,7 @@ class ReasoningGymTask:
             if question in seen or split_of(question) != split:
                 continue
             seen.add(question)
-            truth = {"dataset": self.dataset, "options": self.options, "entry": _plain(entry)}
+            truth = {"dataset": self.dataset, "options": self.options, "entry": plain(entry)}
             out.append(Example(question, truth, None, {"split": split, "source": f"{self.name}:{split}:{len(out)}",
                                                        "rg_index": index}))
         if len(out) < n:
@@ -101,13 +101,3 @@ def check_generator_options(dataset: str, options: Mapping[str, Any]) -> None:
         fields["seed"] = int
     check_options(f"rg:{dataset}", options, fields, {"size": (1, None)})
 
-
-def _plain(value):
-    """The entry as plain data (JSON types), so it can be sent to a worker and logged."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return value.item() if hasattr(value, "item") else str(value)  # numpy scalars; anything else as text

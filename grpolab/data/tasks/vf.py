@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ...rewards.vf_rubric import environment_kind, load_vf_environment, tool_functions, vf_rubric_reward, vf_source
 from ..datasets import Example
-from .base import SPLITS, split_of
+from .base import SPLITS, plain, split_of
 
 
 class VerifiersTask:
@@ -92,13 +92,3 @@ def _message(message: dict) -> dict:
     of messages has every key any message has)."""
     return {k: v for k, v in message.items() if v is not None or k == "content"}
 
-
-def plain(value: Any) -> Any:
-    """``value`` as plain data (JSON types), so it can be sent to a worker and logged."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return value.item() if hasattr(value, "item") else str(value)  # numpy scalars; anything else as text
