@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-async clean
+.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -128,6 +128,12 @@ $(BENCH_STAMP): pyproject.toml
 # the model comes from the same cache as make test-real. ARGS e.g. ARGS="--rounds 1 --steps 1".
 bench-real: setup $(BENCH_STAMP)
 	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BENCH_BIN)/python benchmarks/real_model.py $(ARGS)
+
+# Time to accuracy on SmolLM2-135M-Instruct, grpolab and TRL's GRPOTrainer side by side on two tasks
+# (benchmarks/real_tta.py): held-out accuracy against training seconds, tta_ratio per task; alone on the
+# machine, ~55 minutes on 2 cores with the defaults. ARGS e.g. ARGS="--tasks chain_sum --seeds 0,1".
+bench-tta: setup $(BENCH_STAMP)
+	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BENCH_BIN)/python benchmarks/real_tta.py $(ARGS)
 
 # Asynchronous GRPO against synchronous on SmolLM2-135M-Instruct (benchmarks/async.py): completions/s, idle
 # shares, staleness and held-out accuracy; alone on the machine (each setting is a 2-core run). ARGS e.g. ARGS="--steps 4".

@@ -90,6 +90,26 @@ def matmul_params(model_dir: str) -> tuple[int, list[tuple[int, int, int]]]:
     return sum(i * o * c for i, o, c in shapes), shapes
 
 
+def machine(device: str = "cpu") -> tuple[str, str]:
+    """(the CPU's model name, or the GPU's and its host's; the CPU's widest vector/bf16 instructions)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512-bf16" if "avx512_bf16" in flags else \
+        "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if device.startswith("cuda"):
+        import torch
+
+        cpu = f"{torch.cuda.get_device_name()} (GPU), host {cpu}"
+    return cpu, isa
+
+
+def machine_line(model_dir: str, device: str = "cpu") -> str:
+    cpu, isa = machine(device)
+    params, _ = matmul_params(model_dir)
+    return (f"machine: {cpu}, {os.cpu_count()} cores, {isa}; model {Path(model_dir).name} "
+            f"({params / 1e6:.1f}M matmul parameters)")
+
+
 # ---------------------------------------------------------------- workers (one subprocess each)
 
 
@@ -305,16 +325,8 @@ def main(argv=None) -> None:
     params, _ = matmul_params(args.model)
     thread_counts = [int(t) for t in args.threads.split(",")]
     dtypes, sides = args.dtypes.split(","), args.sides.split(",")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    isa = "AMX" if "amx_bf16" in flags else "AVX-512-bf16" if "avx512_bf16" in flags else \
-        "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    if args.device.startswith("cuda"):
-        import torch
-
-        cpu = f"{torch.cuda.get_device_name()} (GPU), host {cpu}"
-    print(f"machine: {cpu}, {os.cpu_count()} cores, {isa}; model {Path(args.model).name} "
-          f"({params / 1e6:.1f}M matmul parameters); {GROUP * PROMPTS_PER_STEP} completions/step, <= {MAX_NEW} tokens",
+    cpu, isa = machine(args.device)
+    print(f"{machine_line(args.model, args.device)}; {GROUP * PROMPTS_PER_STEP} completions/step, <= {MAX_NEW} tokens",
           flush=True)
     floors = {t: run_worker(args, "floor", t) for t in thread_counts}
     for t, f in floors.items():

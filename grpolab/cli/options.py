@@ -29,7 +29,7 @@ def same_as(config: type[BaseConfig], name: str) -> Any:
     return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
 
 
-Dtype = same_as(SampledRunConfig, "dtype")
+Dtype = Literal["float32", "bfloat16"]  # eval, compare, demo: a dtype given (auto is for training runs)
 Backend = Literal["hf", "vllm"]  # eval and compare sample with the hf or the colocated vllm backend
 Temperature = same_as(SampledRunConfig, "eval_temperature")
 MaxTokens = same_as(SampledRunConfig, "sampling_max_tokens")

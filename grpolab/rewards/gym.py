@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 from .normalize import hedge_words
-from .verifiers import extract_r1_zero_answer, reward_dict
+from .verifiers import extract_r1_zero_answer, last_boxed, reward_dict, stated_number
 
 EXTRA_HINT = "pip install 'grpolab[gym]' (or: pip install reasoning-gym==0.1.25)"
 
@@ -91,6 +91,16 @@ def rg_reward_fn_lenient(response: str, ground_truth: Any) -> dict[str, float]:
 def rg_whole_response_reward_fn(response: str, ground_truth: Any) -> dict[str, float]:
     """Under a chat template that asks for no tags: the whole response is the answer."""
     return _graded(response, ground_truth, True)
+
+
+def rg_stated_answer_reward_fn(response: str, ground_truth: Any) -> dict[str, float]:
+    """A chat reply in prose ("The answer is 12."): its last ``\\boxed{}``, else its last stated
+    number (as ``question_only``), else the whole response, given to the dataset's ``score_answer``.
+    For numeric generators (``chain_sum``, ``basic_arithmetic``) under a chat template:
+    ``reward: grpolab.rewards.gym:rg_stated_answer_reward_fn``."""
+    answer = last_boxed(response)
+    answer = answer if answer is not None else stated_number(response)
+    return _graded(response if answer is None else answer, ground_truth, True)
 
 
 rg_reward_fn.lenient = rg_reward_fn_lenient  # what registry.lenient_reward hands out under chat_r1

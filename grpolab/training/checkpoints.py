@@ -236,6 +236,11 @@ def find_resume_checkpoint(ckpts: CheckpointManager, cfg, run_dir: Path) -> tupl
         raise ConfigError(f"{run_dir}: nothing to resume (no readable checkpoint in {ckpts.root})")
     resumed_from = Path(path)
     state = found[1] if found else ckpts.load_state(resumed_from)
+    saved_dtype = state.get("config", {}).get("dtype")
+    if getattr(cfg, "dtype", None) == "auto" and saved_dtype in ("float32", "bfloat16"):
+        cfg.dtype = saved_dtype  # dtype auto resumes in the dtype the run's start chose (and logged)
+        if saved_dtype == "bfloat16" and hasattr(cfg, "logits_fp32"):
+            cfg.logits_fp32 = state["config"].get("logits_fp32", cfg.logits_fp32)
     changes = resume_changes(state.get("config", {}), cfg.to_dict(), cfg.steps_field)
     if changes.refused:
         raise ConfigError(f"--resume {run_dir}: the run's config cannot change on resume: {changes.refused} "

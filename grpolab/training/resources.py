@@ -179,3 +179,93 @@ def choose_cpu_threads(threads: int | None, probe: bool = True, measure=_probe_s
     shown = ", ".join(f"{t} thread{'s' * (t > 1)} {1000 * s:.1f} ms" for t, s in timings.items())
     return chosen, (f"torch threads: {chosen} (probe: {shown}; set threads in the config or OMP_NUM_THREADS "
                     "to choose)")
+
+
+# ---------------------------------------------------------------- dtype: auto
+
+# below this many parameters a step is bound by per-op overhead, not matmuls (the embedded 0.9M/9.5M
+# models): bf16 autocast's casts cost more than its matmuls save
+BF16_MIN_PARAMS = 30_000_000
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo: AMX tiles, AVX-512 BF16 dot products
+BF16_MUST_BEAT = 0.8  # bf16 is kept only when its probe takes under 0.8x fp32's time
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere: fp32 is then kept)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def model_shape(model) -> tuple[int, int, int]:
+    """(parameters, hidden size, MLP width) of a model, for the dtype probe."""
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 256
+    width = getattr(config, "intermediate_size", None) or 4 * hidden
+    return sum(p.numel() for p in model.parameters()), int(hidden), int(width)
+
+
+def _bf16_probe_seconds(hidden: int, width: int, rows: int = 256, repeats: int = 3) -> tuple[float, float]:
+    """Best seconds of an MLP-sized ``F.linear`` (``rows`` x ``hidden`` by ``width`` x ``hidden``, both
+    ways) in fp32, and the same under bf16 autocast on fp32 tensors (the casts included, as a run pays)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)  # not the global generator: a seeded run draws the same with a probe
+    x, w = torch.randn(rows, hidden, generator=g), torch.randn(width, hidden, generator=g)
+    up = torch.randn(rows, width, generator=g)
+
+    def once() -> None:
+        torch.nn.functional.linear(x, w)
+        torch.nn.functional.linear(up, w.t())
+
+    def best(bf16: bool) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            once()  # warm: the kernels chosen, the thread pool up
+            seconds = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                once()
+                seconds = min(seconds, time.perf_counter() - t)
+        return seconds
+
+    return best(False), best(True)
+
+
+def choose_dtype(dtype: str, device, shape: tuple[int, int, int], *, flags: set[str] | None = None,
+                 measure=_bf16_probe_seconds, cuda_bf16=None) -> tuple[str, str | None]:
+    """The run's dtype, and the line that says how ``auto`` chose it (None for a dtype given).
+
+    ``auto``: bfloat16 (autocast; the weights, logits and log-softmax stay fp32) on a GPU that
+    supports it; on a CPU, for a model of at least ``BF16_MIN_PARAMS`` parameters, only where the
+    CPU has native bf16 (AMX or AVX-512 BF16) *and* a ~0.1 s probe at the model's MLP shapes runs
+    bf16 in under ``BF16_MUST_BEAT`` of fp32's time; float32 everywhere else (an AVX2 CPU emulates
+    bf16 matmuls, ~8x slower). ``shape`` is ``model_shape(model)``; ``flags``, ``measure`` and
+    ``cuda_bf16`` default to this machine's (tests pass their own); ``measure=None``: no probe, the
+    flags decide."""
+    if dtype != "auto":
+        return dtype, None
+    device = torch.device(device)
+    params, hidden, width = shape
+    if device.type == "cuda":
+        ok = (cuda_bf16 or torch.cuda.is_bf16_supported)()
+        return ("bfloat16", "dtype auto: bfloat16 (the GPU supports it; logits and log-softmax in fp32)") if ok \
+            else ("float32", "dtype auto: float32 (this GPU has no bf16)")
+    if device.type != "cpu":
+        return "float32", f"dtype auto: float32 (on {device.type})"
+    if params < BF16_MIN_PARAMS:
+        return "float32", (f"dtype auto: float32 ({params / 1e6:.1f}M parameters: a step this small is bound by "
+                           "per-op overhead, not matmuls)")
+    native = [f for f in NATIVE_BF16_FLAGS if f in (cpu_flags() if flags is None else flags)]
+    if not native:
+        return "float32", ("dtype auto: float32 (this CPU has no bf16 instructions, AMX or AVX-512 BF16: "
+                           "bf16 is emulated)")
+    if measure is None:  # no probe (torchrun ranks must agree, deterministic runs rerun alike): the flags decide
+        return "bfloat16", f"dtype auto: bfloat16 ({native[0]}, not probed; logits and log-softmax in fp32)"
+    fp32_s, bf16_s = measure(hidden, width)
+    probe = f"probe at {hidden}x{width}: fp32 {1000 * fp32_s:.1f} ms, bf16 {1000 * bf16_s:.1f} ms"
+    if bf16_s < BF16_MUST_BEAT * fp32_s:
+        return "bfloat16", f"dtype auto: bfloat16 ({native[0]}; {probe}; logits and log-softmax in fp32)"
+    return "float32", f"dtype auto: float32 ({native[0]}, but bf16 does not pay here: {probe})"

@@ -94,8 +94,10 @@ class Run:
         seed_everything(cfg.seed, cfg.deterministic)
         self.device = distributed.device_for(resolve_device(cfg.device))
         # no thread probe per torchrun rank, nor in a deterministic run
-        set_cpu_threads(cfg, self.device, probe=not (cfg.deterministic or self.dist.enabled))
-        model, self.tokenizer = load_run_model(cfg, self._load_model, self.resumed_from, model, tokenizer)
+        probe = not (cfg.deterministic or self.dist.enabled)
+        set_cpu_threads(cfg, self.device, probe=probe)  # and dtype auto's probe, in load_run_model
+        model, self.tokenizer = load_run_model(cfg, self._load_model, self.resumed_from, model, tokenizer,
+                                               device=self.device, probe=probe)
         # the engine (DDP/FSDP2/DeepSpeed), LoRA, and the plain copy the sampler draws from
         self.weights = RunModel(cfg, model.to(self.device), self.device, self.state)
         self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)

@@ -14,7 +14,7 @@ import torch
 from ..envs import build_env
 from ..envs.vf import build_vf_env
 from ..models import set_logits_fp32
-from .resources import choose_cpu_threads
+from .resources import choose_cpu_threads, choose_dtype, model_shape
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -61,6 +61,19 @@ def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
             print(f"grpolab: {line}", file=sys.stderr)
 
 
+def resolve_auto_dtype(cfg, model, device: torch.device, probe: bool) -> None:
+    """``dtype: auto`` settled for this machine and model (``resources.choose_dtype``), said in one
+    line and written back to ``cfg`` (so the run directory's config records it); bf16 brings fp32
+    logits. ``probe`` false (torchrun ranks, deterministic runs): the CPU's flags decide alone."""
+    if getattr(cfg, "dtype", None) != "auto":
+        return
+    kw = {} if probe else {"measure": None}
+    cfg.dtype, line = choose_dtype("auto", device, model_shape(model), **kw)
+    if cfg.dtype == "bfloat16":
+        cfg.logits_fp32 = True  # load_run_model then puts the head in fp32
+    print(f"grpolab: {line} (set dtype to choose)", file=sys.stderr)
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout off everywhere (TRL's convention): log-probs that enter a ratio or a KL must be of
     the same distribution the sampler drew from."""
@@ -71,10 +84,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def load_run_model(cfg, load_model, resumed_from=None, model=None, tokenizer=None):
+def load_run_model(cfg, load_model, resumed_from=None, model=None, tokenizer=None, *, device=None, probe=False):
     """(model, tokenizer): from the checkpoint ``resumed_from``, else ``model`` as given, else
-    ``cfg.model`` (by ``load_model(path, **options)``); dropout off and the head in fp32 as the config
-    asks, before any copy (sampler replica, reference) is made."""
+    ``cfg.model`` (by ``load_model(path, **options)``); dropout off, ``dtype: auto`` settled for
+    ``device`` (``resolve_auto_dtype``) and the head in fp32 as the config asks, before any copy
+    (sampler replica, reference) is made."""
     gc = {"gradient_checkpointing": True} if cfg.gradient_checkpointing else {}
     if resumed_from is not None:
         model, tokenizer = load_model(str(resumed_from), trust_remote_code=cfg.trust_remote_code, **gc)
@@ -82,6 +96,7 @@ def load_run_model(cfg, load_model, resumed_from=None, model=None, tokenizer=Non
         model, tokenizer = load_model(cfg.model, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **gc)
     if cfg.disable_dropout:
         disable_dropout(model)
+    resolve_auto_dtype(cfg, model, torch.device(device or "cpu"), probe)
     if getattr(cfg, "logits_fp32", False):
         set_logits_fp32(model)
     return model, tokenizer

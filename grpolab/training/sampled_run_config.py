@@ -29,8 +29,9 @@ class SampledRunConfig(RunConfig):
     """The most tokens a response may have (longer ones are cut: finish reason length)."""
     stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     """Strings that end a response (matched on the decoded text, kept in the output)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """bfloat16: autocast in the sampler and the trainer, the weights and losses stay fp32."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """bfloat16: autocast in sampler and trainer (weights, losses fp32). auto: bf16 on a GPU, or on a CPU
+    with AMX/AVX-512 BF16 where a short probe finds it faster (and >=30M parameters); else fp32."""
     logits_fp32: bool = False
     """Under bfloat16: the lm_head and log-softmax in fp32, in the sampler and the trainer alike (a smaller
     sampler/trainer log-prob gap)."""

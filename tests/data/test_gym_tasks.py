@@ -12,7 +12,12 @@ pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip
 
 from grpolab.data import get_task  # noqa: E402
 from grpolab.rewards import RewardScorer  # noqa: E402
-from grpolab.rewards.gym import rg_reward_fn, rg_reward_fn_lenient, rg_whole_response_reward_fn  # noqa: E402
+from grpolab.rewards.gym import (  # noqa: E402
+    rg_reward_fn,
+    rg_reward_fn_lenient,
+    rg_stated_answer_reward_fn,
+    rg_whole_response_reward_fn,
+)
 from grpolab.training.inputs import task_or_file  # noqa: E402
 
 GENERATORS = {  # one arithmetic, one word problem, one puzzle
@@ -51,6 +56,21 @@ def test_a_correct_answer_scores_1_and_a_wrong_or_hedged_one_0(name):
     assert rg_reward_fn(f"{gold}", example.answer)["format_reward"] == 0.0  # no tags under an R1 template
     assert rg_reward_fn_lenient(f"work</think>\n<answer>{gold}</answer>", example.answer)["reward"] == 1.0
     assert rg_whole_response_reward_fn(f"{gold}", example.answer)["reward"] == 1.0
+
+
+def test_a_prose_reply_is_scored_by_its_stated_number():
+    """configs/real/smollm2_135m_grpo_rg_chain_sum.yaml: SmolLM2 answers "The answer is 5."; the whole
+    response scores 0 there, its last number is what the dataset's score_answer grades."""
+    examples = get_task("rg:chain_sum", seed=0, options={"min_terms": 2, "max_terms": 3, "min_digits": 1,
+                                                         "max_digits": 1}).examples("test", 40)
+    example = next(e for e in examples if int(e.answer["entry"]["answer"]) < 0)  # a negative sum: the sign is read
+    gold = example.answer["entry"]["answer"]
+    assert rg_whole_response_reward_fn(f"The answer is {gold}.", example.answer)["reward"] == 0.0
+    assert rg_stated_answer_reward_fn(f"The answer is {gold}.", example.answer)["reward"] == 1.0
+    assert rg_stated_answer_reward_fn(f"{gold} + 1 = {int(gold) + 1}", example.answer)["reward"] == 0.0  # the last one
+    assert rg_stated_answer_reward_fn(f"It is \\boxed{{{gold}}}, not 3", example.answer)["reward"] == 1.0
+    assert rg_stated_answer_reward_fn("no idea", example.answer)["reward"] == 0.0
+    assert rg_stated_answer_reward_fn(f"maybe {gold}", example.answer)["reward"] == 1.0  # the number, not the hedge
 
 
 def test_partial_credit_is_reported_but_not_rewarded():
