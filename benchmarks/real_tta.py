@@ -31,7 +31,7 @@ did not within the budget). Each (task, seed, side) is its own subprocess, the s
 (grpolab, TRL, grpolab, TRL, ...), each at its best setting here: ``--threads`` (default all cores)
 and ``--dtype auto`` (bf16 autocast where grpolab's dtype probe picks it, for both sides).
 
-Usage: python benchmarks/real_tta.py [--tasks arithmetic,chain_sum] [--seeds 0] [--samples 960]
+Usage: python benchmarks/real_tta.py [--tasks arithmetic,chain_sum] [--seeds 0] [--samples 1024]
        [--eval-every 128] [--eval-n 200] [--targets arithmetic=0.3,chain_sum=0.3] [--plot FILE]
 The last line is one JSON object with every figure.
 """
@@ -279,11 +279,18 @@ def run_worker(args, side: str, task: str, seed: int) -> dict:
            "--threads", str(args.threads), "--dtype", args.dtype, "--samples", str(args.samples),
            "--eval-every", str(args.eval_every), "--eval-n", str(args.eval_n)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        sys.exit(f"real_tta.py: the {side} run ({task}, seed {seed}) failed:\n{tail}")
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        tail: list[str] = []
+        for line in proc.stderr:  # the meter's points as they come; the rest kept for a failure's message
+            if line.startswith("  "):
+                print(f"  {task} seed {seed} {side}:{line.rstrip()}", file=sys.stderr, flush=True)
+            tail = (tail + [line.rstrip()])[-15:]
+        proc.wait()
+        out.seek(0)
+        lines = [line for line in out.read().splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"real_tta.py: the {side} run ({task}, seed {seed}) failed:\n" + "\n".join(tail))
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -355,7 +362,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="default: the SmolLM2-135M-Instruct cache (make real-model)")
     ap.add_argument("--tasks", default="arithmetic,chain_sum", help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--seeds", default="0", help="comma-separated training seeds (each: a run per side)")
-    ap.add_argument("--samples", type=int, default=960, help="the budget: samples per run (32 per step)")
+    ap.add_argument("--samples", type=int, default=1024, help="the budget: samples per run (32 per step)")
     ap.add_argument("--eval-every", type=int, default=128, help="samples between held-out evaluations")
     ap.add_argument("--eval-n", type=int, default=200, help="held-out test questions")
     ap.add_argument("--targets", default=",".join(f"{k}={v}" for k, v in TARGETS.items()),

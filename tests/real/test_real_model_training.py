@@ -81,6 +81,7 @@ def test_grpo_on_the_real_model_sampler_and_trainer_agree_on_every_step(smollm2_
     from grpolab.algorithms.grpo import GRPOConfig, train_grpo
 
     cfg = GRPOConfig(model=str(smollm2_dir), task="arithmetic", task_options={"num_ops": 1}, task_train_size=40,
+                     dtype="float32",  # the fp32 agreement asserted below (dtype auto is bf16 on AMX/AVX-512 BF16)
                      run_dir=str(tmp_path / "g"), n_grpo_steps=3, rollout_batch_size=8, group_size=4,
                      train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=1, learning_rate=1e-5,
                      warmup_steps=0, sampling_max_tokens=24, sampling_min_tokens=1, eval_examples=4,
@@ -152,6 +153,7 @@ def test_async_grpo_on_the_real_model_samples_in_its_own_process_with_the_traine
     from grpolab.algorithms.grpo import GRPOConfig, train_grpo
 
     cfg = GRPOConfig(model=str(smollm2_dir), task="arithmetic", task_options={"num_ops": 1}, task_train_size=40,
+                     dtype="float32",  # the fp32 agreement asserted below (dtype auto is bf16 on AMX/AVX-512 BF16)
                      run_dir=str(tmp_path / "a"), n_grpo_steps=3, rollout_batch_size=8, group_size=4,
                      train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-4, warmup_steps=0,
                      sampling_max_tokens=24, sampling_min_tokens=1, eval_examples=4, show_progress=False,
