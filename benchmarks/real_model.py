@@ -92,8 +92,10 @@ def matmul_params(model_dir: str) -> tuple[int, list[tuple[int, int, int]]]:
 
 def machine(device: str = "cpu") -> tuple[str, str]:
     """(the CPU's model name, or the GPU's and its host's; the CPU's widest vector/bf16 instructions)."""
+    from grpolab.training.resources import cpu_flags
+
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    flags = cpu_flags()
     isa = "AMX" if "amx_bf16" in flags else "AVX-512-bf16" if "avx512_bf16" in flags else \
         "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     if device.startswith("cuda"):

@@ -173,9 +173,8 @@ def grpolab_worker(args) -> dict:
         cfg = task_config(args, args.task, args.seed, str(Path(tmp) / "run"))
         train_grpo(cfg, overwrite=True)
         records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["train/reward"] for r in records if "train/reward" in r]
     lengths = [r["train/response_length"] for r in records if "train/response_length" in r]
-    return {**holder["meter"].result(holder["setup_s"]), "dtype": cfg.dtype, "train_reward": rewards,
+    return {**holder["meter"].result(holder["setup_s"]), "dtype": cfg.dtype,
             "response_length": sum(lengths) / max(1, len(lengths))}
 
 
@@ -187,23 +186,28 @@ def trl_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpolab.training.inputs import load_inputs
+    from grpolab.training.resources import choose_dtype, model_shape
 
     t_setup = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = task_config(args, args.task, args.seed, str(Path(tmp) / "unused"))
-    dtype = resolved_dtype(cfg, args)
+    cfg = task_config(args, args.task, args.seed, "unused")  # no run directory: TRL writes its own
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    # dtype auto: grpolab's own decision on the same model, so both sides choose alike
+    dtype, line = choose_dtype(cfg.dtype, "cpu", model_shape(model))
+    if line:
+        print(f"  {line}", file=sys.stderr, flush=True)
     inputs = load_inputs(cfg, tok)
     data = Dataset.from_dict({"prompt": [inputs.template.format(e.question) for e in inputs.train],
                               "gt": [json.dumps(e.answer) for e in inputs.train]})
-    reward_fn = TRLReward(inputs.reward)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     # a response ends at its first newline (grpolab's stop string): every token whose text holds one is an end id
     newline_ids = [i for i in range(len(tok)) if "\n" in tok.decode([i])]
     ends = model.generation_config.eos_token_id
     ends = [ends] if isinstance(ends, int) else list(ends or [])
     model.generation_config.eos_token_id = sorted({tok.eos_token_id, *ends, *newline_ids})
     meter = Meter(cfg, tok, args.eval_n, args.eval_every, args.samples, autocast_dtype_of(dtype))
+
+    def reward(prompts, completions, gt, **kwargs):  # the config's reward, scored as grpolab's run scores it
+        return [s["reward"] for s in meter.scorer.score(completions, [json.loads(g) for g in gt])]
     per_step = cfg.rollout_batch_size
 
     class Metered(TrainerCallback):
@@ -224,43 +228,12 @@ def trl_worker(args) -> dict:
             scale_rewards="group", num_iterations=1, max_steps=args.samples // per_step, logging_steps=1,
             save_strategy="no", report_to="none", use_cpu=True, bf16=dtype == "bfloat16", seed=args.seed,
             shuffle_dataset=True, disable_dropout=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=trl_cfg, train_dataset=data,
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=trl_cfg, train_dataset=data,
                               processing_class=tok, callbacks=[Metered()])
         setup_s = time.perf_counter() - t_setup
         trainer.train()
-        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {**meter.result(setup_s), "dtype": dtype, "train_reward": rewards,
-            "response_length": sum(lengths) / max(1, len(lengths))}
-
-
-class TRLReward:
-    """The config's reward function as a TRL reward function (completions as text, the answer per row)."""
-
-    __name__ = "reward"
-
-    def __init__(self, reward):
-        from grpolab.rewards.registry import get_reward_fn
-
-        self.fn = get_reward_fn(reward) if isinstance(reward, str) else reward
-
-    def __call__(self, prompts, completions, gt, **kwargs):
-        return [float(self.fn(c, json.loads(g))["reward"]) for c, g in zip(completions, gt)]
-
-
-def resolved_dtype(cfg, args) -> str:
-    """``--dtype``, with ``auto`` settled by grpolab's own probe (the same choice for both sides)."""
-    from transformers import AutoConfig
-
-    from grpolab.training.resources import choose_dtype
-
-    if args.dtype != "auto":
-        return args.dtype
-    config = AutoConfig.from_pretrained(args.model)
-    shape = (step_benchmark().matmul_params(args.model)[0], config.hidden_size, config.intermediate_size)
-    dtype, line = choose_dtype("auto", "cpu", shape)
-    print(f"  {line}", file=sys.stderr, flush=True)
-    return dtype
+    return {**meter.result(setup_s), "dtype": dtype, "response_length": sum(lengths) / max(1, len(lengths))}
 
 
 def worker_main(args) -> None:
@@ -283,7 +256,7 @@ def run_worker(args, side: str, task: str, seed: int) -> dict:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         tail: list[str] = []
         for line in proc.stderr:  # the meter's points as they come; the rest kept for a failure's message
-            if line.startswith("  "):
+            if line.startswith("  ") and ("held-out" in line or "dtype auto" in line):
                 print(f"  {task} seed {seed} {side}:{line.rstrip()}", file=sys.stderr, flush=True)
             tail = (tail + [line.rstrip()])[-15:]
         proc.wait()

@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 from .normalize import hedge_words
-from .verifiers import extract_r1_zero_answer, last_boxed, reward_dict, stated_number
+from .verifiers import extract_r1_zero_answer, reward_dict, stated_answer
 
 EXTRA_HINT = "pip install 'grpolab[gym]' (or: pip install reasoning-gym==0.1.25)"
 
@@ -94,12 +94,11 @@ def rg_whole_response_reward_fn(response: str, ground_truth: Any) -> dict[str, f
 
 
 def rg_stated_answer_reward_fn(response: str, ground_truth: Any) -> dict[str, float]:
-    """A chat reply in prose ("The answer is 12."): its last ``\\boxed{}``, else its last stated
-    number (as ``question_only``), else the whole response, given to the dataset's ``score_answer``.
+    """A chat reply in prose ("The answer is 12."): its ``stated_answer`` (as ``question_only``: the last
+    ``\\boxed{}``, else the last number), else the whole response, given to the dataset's ``score_answer``.
     For numeric generators (``chain_sum``, ``basic_arithmetic``) under a chat template:
     ``reward: grpolab.rewards.gym:rg_stated_answer_reward_fn``."""
-    answer = last_boxed(response)
-    answer = answer if answer is not None else stated_number(response)
+    answer = stated_answer(response)
     return _graded(response if answer is None else answer, ground_truth, True)
 
 

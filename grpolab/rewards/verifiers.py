@@ -126,13 +126,18 @@ def last_number(text: str) -> str | None:
     return matches[-1].rstrip(",") if matches else None
 
 
+def stated_answer(response: str) -> str | None:
+    """The answer a reply states without tags: its last ``\\boxed{}``, else its last number (read with
+    its scale word, "3 million"; none when a formula continues it, "2\\pi", "2x")."""
+    boxed = last_boxed(response)
+    return boxed if boxed is not None else stated_number(response)
+
+
 def question_only_reward_fn(
     response: str, ground_truth: Any, *, timeout: float = DEFAULT_TIMEOUT_S
 ) -> dict[str, float]:
-    """No format requirement: the answer is the last ``\\boxed{}``, else the last number (read with
-    its scale word, "3 million"; none when a formula continues it, "2\\pi", "2x")."""
-    boxed = last_boxed(response)
-    answer = boxed if boxed is not None else stated_number(response)
+    """No format requirement: the answer is ``stated_answer(response)``."""
+    answer = stated_answer(response)
     ok = answer is not None and any(is_equivalent(answer, gold, timeout) for gold in _gold_list(ground_truth))
     return reward_dict(True, ok)
 

@@ -21,6 +21,7 @@ import torch
 from ..models import save_model_and_tokenizer
 from . import distributed
 from .config import ConfigError, resume_changes
+from .resources import adopt_saved_dtype
 from .sharded_optimizer import check_sharded_files
 
 STATE_FILE = "trainer_state.pt"
@@ -236,11 +237,7 @@ def find_resume_checkpoint(ckpts: CheckpointManager, cfg, run_dir: Path) -> tupl
         raise ConfigError(f"{run_dir}: nothing to resume (no readable checkpoint in {ckpts.root})")
     resumed_from = Path(path)
     state = found[1] if found else ckpts.load_state(resumed_from)
-    saved_dtype = state.get("config", {}).get("dtype")
-    if getattr(cfg, "dtype", None) == "auto" and saved_dtype in ("float32", "bfloat16"):
-        cfg.dtype = saved_dtype  # dtype auto resumes in the dtype the run's start chose (and logged)
-        if saved_dtype == "bfloat16" and hasattr(cfg, "logits_fp32"):
-            cfg.logits_fp32 = state["config"].get("logits_fp32", cfg.logits_fp32)
+    adopt_saved_dtype(cfg, state.get("config", {}))
     changes = resume_changes(state.get("config", {}), cfg.to_dict(), cfg.steps_field)
     if changes.refused:
         raise ConfigError(f"--resume {run_dir}: the run's config cannot change on resume: {changes.refused} "

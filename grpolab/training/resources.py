@@ -269,3 +269,12 @@ def choose_dtype(dtype: str, device, shape: tuple[int, int, int], *, flags: set[
     if bf16_s < BF16_MUST_BEAT * fp32_s:
         return "bfloat16", f"dtype auto: bfloat16 ({native[0]}; {probe}; logits and log-softmax in fp32)"
     return "float32", f"dtype auto: float32 ({native[0]}, but bf16 does not pay here: {probe})"
+
+
+def adopt_saved_dtype(cfg, saved: dict) -> None:
+    """``--resume`` with ``dtype: auto``: the dtype the run's start chose (its saved config), with the
+    fp32 head that choice brought, so the run continues as it began and is not probed again."""
+    if getattr(cfg, "dtype", None) == "auto" and saved.get("dtype") in ("float32", "bfloat16"):
+        cfg.dtype = saved["dtype"]
+        if cfg.dtype == "bfloat16":
+            cfg.logits_fp32 = saved.get("logits_fp32", cfg.logits_fp32)
