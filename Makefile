@@ -131,7 +131,7 @@ bench-real: setup $(BENCH_STAMP)
 
 # Time to accuracy on SmolLM2-135M-Instruct, grpolab and TRL's GRPOTrainer side by side on two tasks
 # (benchmarks/real_tta.py): held-out accuracy against training seconds, tta_ratio per task; alone on the
-# machine, ~60 minutes on 2 cores with the defaults. ARGS e.g. ARGS="--tasks chain_sum --seeds 0,1".
+# machine, ~60 minutes on 2 cores with the defaults. ARGS e.g. ARGS="--tasks basic_arithmetic --seeds 0,1".
 bench-tta: setup $(BENCH_STAMP)
 	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BENCH_BIN)/python benchmarks/real_tta.py $(ARGS)
 

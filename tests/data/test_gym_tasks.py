@@ -5,6 +5,7 @@ errors, and a GRPO step on one. Three generators: an arithmetic one, a word prob
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,26 @@ def test_a_prose_reply_is_scored_by_its_stated_number():
     assert rg_stated_answer_reward_fn(f"It is \\boxed{{{gold}}}, not 3", example.answer)["reward"] == 1.0
     assert rg_stated_answer_reward_fn("no idea", example.answer)["reward"] == 0.0
     assert rg_stated_answer_reward_fn(f"maybe {gold}", example.answer)["reward"] == 1.0  # the number, not the hedge
+
+
+def test_basic_arithmetic_in_the_real_config_is_scored_by_the_last_number():
+    """configs/real/smollm2_135m_grpo_rg_basic_arithmetic.yaml: its task options give one + or - between
+    two numbers in rg's own phrasing, and the base model's explanation ending on an operand scores 0."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).parents[2] / "configs/real/smollm2_135m_grpo_rg_basic_arithmetic.yaml")
+                         .read_text())
+    examples = get_task(cfg["task"], seed=0, options=cfg["task_options"]).examples("test", 200)
+    for e in examples:
+        expression = e.answer["entry"]["metadata"]["expression"]
+        assert e.question.startswith("Calculate ") and len(expression.split()) == 3 and expression.split()[1] in "+-"
+    e = next(e for e in examples if e.answer["entry"]["metadata"]["expression"].split()[1] == "-")
+    a, _, b = e.answer["entry"]["metadata"]["expression"].split()
+    gold = e.answer["entry"]["answer"]
+    assert str(int(a) - int(b)) == gold
+    assert rg_stated_answer_reward_fn(f"{a} - {b} = {gold}", e.answer)["reward"] == 1.0
+    assert rg_stated_answer_reward_fn(f"To calculate {a} - {b}, you simply subtract {b} from {a}", e.answer)[
+        "reward"] == 0.0
 
 
 def test_partial_credit_is_reported_but_not_rewarded():
