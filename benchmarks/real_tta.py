@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -232,7 +231,7 @@ def trl_worker(args) -> dict:
             weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=0.0, loss_type="grpo",
             scale_rewards="group", num_iterations=1, max_steps=args.samples // per_step, logging_steps=1,
             save_strategy="no", report_to="none", use_cpu=True, bf16=dtype == "bfloat16", seed=args.seed,
-            shuffle_dataset=True, disable_dropout=True)
+            shuffle_dataset=True, disable_dropout=True, disable_tqdm=True)  # no bar among the meter's lines
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=trl_cfg, train_dataset=data,
                               processing_class=tok, callbacks=[Metered()])
         setup_s = time.perf_counter() - t_setup
@@ -261,10 +260,8 @@ def run_worker(args, side: str, task: str, seed: int) -> dict:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         tail: list[str] = []
         for line in proc.stderr:  # the meter's points as they come; the rest kept for a failure's message
-            # a meter line may follow TRL's progress bar on the same line (the bar ends without a newline)
-            point = re.search(r"  (\d+ samples, .* held-out .*|dtype auto: .*)$", line.rstrip())
-            if point:
-                print(f"  {task} seed {seed} {side}:  {point.group(1)}", file=sys.stderr, flush=True)
+            if line.startswith("  ") and ("held-out" in line or "dtype auto" in line):
+                print(f"  {task} seed {seed} {side}:{line.rstrip()}", file=sys.stderr, flush=True)
             tail = (tail + [line.rstrip()])[-15:]
         proc.wait()
         out.seek(0)

@@ -83,8 +83,8 @@ def test_basic_arithmetic_in_the_real_config_is_scored_by_the_last_number():
                          .read_text())
     examples = get_task(cfg["task"], seed=0, options=cfg["task_options"]).examples("test", 200)
     for e in examples:
-        expression = e.answer["entry"]["metadata"]["expression"]
-        assert e.question.startswith("Calculate ") and len(expression.split()) == 3 and expression.split()[1] in "+-"
+        terms = e.answer["entry"]["metadata"]["expression"].split()
+        assert e.question.startswith("Calculate ") and len(terms) == 3 and terms[1] in ("+", "-")
     e = next(e for e in examples if e.answer["entry"]["metadata"]["expression"].split()[1] == "-")
     a, _, b = e.answer["entry"]["metadata"]["expression"].split()
     gold = e.answer["entry"]["answer"]
