@@ -82,11 +82,10 @@ def test_basic_arithmetic_in_the_real_config_is_scored_by_the_last_number():
     cfg = yaml.safe_load((Path(__file__).parents[2] / "configs/real/smollm2_135m_grpo_rg_basic_arithmetic.yaml")
                          .read_text())
     examples = get_task(cfg["task"], seed=0, options=cfg["task_options"]).examples("test", 200)
-    for e in examples:
-        terms = e.answer["entry"]["metadata"]["expression"].split()
+    parsed = [(e, e.answer["entry"]["metadata"]["expression"].split()) for e in examples]
+    for e, terms in parsed:
         assert e.question.startswith("Calculate ") and len(terms) == 3 and terms[1] in ("+", "-")
-    e = next(e for e in examples if e.answer["entry"]["metadata"]["expression"].split()[1] == "-")
-    a, _, b = e.answer["entry"]["metadata"]["expression"].split()
+    e, (a, _, b) = next((e, terms) for e, terms in parsed if terms[1] == "-")
     gold = e.answer["entry"]["answer"]
     assert str(int(a) - int(b)) == gold
     assert rg_stated_answer_reward_fn(f"{a} - {b} = {gold}", e.answer)["reward"] == 1.0
