@@ -48,6 +48,26 @@ def test_make_optimizer_is_adamw_over_trainable_parameters_only():
     assert current_lr(opt) == 0.1
 
 
+def test_make_optimizer_fuses_plain_cpu_parameters_into_the_same_adamw_update():
+    """One fused kernel on plain CPU tensors; its weights after 20 steps are AdamW's to float32
+    rounding (bound: 2 ulp of the largest weight per step)."""
+    torch.manual_seed(0)
+    fused_model, plain_model = _model(), _model()
+    plain_model.load_state_dict(fused_model.state_dict())
+    fused = make_optimizer(fused_model, 1e-2, weight_decay=0.01)
+    assert fused.defaults["fused"] is True
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+    for step in range(20):
+        grads = [torch.randn_like(p) for p in fused_model.parameters()]
+        for model, opt in ((fused_model, fused), (plain_model, plain)):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            opt.step()
+    for p, q in zip(fused_model.parameters(), plain_model.parameters()):
+        bound = 20 * 2 * torch.finfo(torch.float32).eps * float(q.detach().abs().max())
+        assert float((p - q).detach().abs().max()) <= bound
+
+
 @pytest.mark.parametrize("warmup,total,expected", [(1000, 200, 20), (5, 200, 5), (0, 200, 0), (10, 5, 0), (3, 30, 3)])
 def test_effective_warmup_is_capped_at_ten_percent_of_the_run(warmup, total, expected):
     assert effective_warmup(warmup, total) == expected
