@@ -335,7 +335,10 @@ def test_an_update_that_overflows_adamw_is_one_line_before_a_checkpoint(tmp_path
                            "--learning-rate", "3e38"], capture_output=True, text=True, env=ENV, timeout=240,
                           check=False, cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "grpolab: error: optimizer step 0: AdamW's update overflows float32 (learning_rate 3e+38)" in done.stderr
+    # torch's for-each AdamW refuses the step; the fused kernel applies it, and the weight check then stops the run
+    assert re.search(r"grpolab: error: optimizer step 0: (AdamW's update overflows float32|\d+ of \d+ parameter "
+                     r"tensors hold NaN or inf after the update) \(learning_rate 3e\+38\)", done.stderr), done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 2, done.stderr  # the dtype line and the error
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

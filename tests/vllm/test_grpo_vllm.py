@@ -85,8 +85,9 @@ def test_grpo_with_a_tool_env_on_vllm_trains_on_the_engines_multi_turn_log_probs
     # and nothing trained; at 1.5 groups vary (measured: 16-24 of 32 rows trained, mismatch ~3e-7)
     records = step_records(train_grpo(cfg, model=model, tokenizer=tok))
     assert len(records) == 3
-    for r in records:
-        assert r["tools/call_rate"] > 0.5 and r["tools/observation_tokens"] > 0  # multi-turn, through the engine
+    assert records[0]["tools/call_rate"] > 0.5  # the SFT model calls the tool, through the engine
+    for r in records:  # at T=1.5 and lr 1e-3 the rate drifts (measured 0.97 -> 0.84, or 0.91 -> 0.47, by the SFT
+        assert r["tools/call_rate"] > 0 and r["tools/observation_tokens"] > 0  # start): multi-turn every step
         assert r["train/rows_trained"] > 0 and r["time/weight_sync_s"] > 0  # the mismatch is measured on them
         # the engine's log-probs of the model's tokens, with observations in its context, are the
         # trainer's: observation tokens (sampler log-prob 0) are outside the measured mask
