@@ -339,7 +339,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 # silently continue a different run.
 RESUME_MAY_CHANGE = (
     "eval_every", "eval_examples", "checkpoint_every", "keep_last", "report_to", "show_progress",
-    "log_generations_samples", "run_dir", "device", "token_record_groups", "threads",
+    "log_generations_samples", "run_dir", "device", "token_record_groups", "threads", "keep_freed_memory",
 )
 
 

@@ -105,6 +105,9 @@ class RunConfig(BaseConfig):
     threads: int | None = Field(None, ge=1)
     """CPU: torch threads. Null: OMP_NUM_THREADS when set, else a short probe keeps 1 or all cores, whichever
     runs faster now (all cores collapse when other processes hold some)."""
+    keep_freed_memory: bool = True
+    """CPU, glibc (Linux): freed blocks stay in the heap for reuse, not handed back for the kernel to re-zero on
+    next touch (SmolLM2's GRPO update 9.5-10.0 -> 8.9 s on 2 cores), for the process's life; false: glibc's defaults."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Seeds Python, torch and numpy, the model's initialisation (embedded models), question order and sampling."""
     show_progress: bool = True

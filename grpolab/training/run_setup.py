@@ -14,7 +14,7 @@ import torch
 from ..envs import build_env
 from ..envs.vf import build_vf_env
 from ..models import set_logits_fp32
-from .resources import choose_cpu_threads, choose_dtype, model_shape
+from .resources import choose_cpu_threads, choose_dtype, keep_freed_memory, model_shape
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -48,8 +48,11 @@ def resolve_device(device: str) -> torch.device:
 def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
     """On a CPU: torch's threads (``cfg.threads``, else what a short probe finds faster, when ``probe``).
     With a sampler process (``max_staleness >= 1``, the hf backend) and neither ``threads`` nor
-    ``OMP_NUM_THREADS`` given, the trainer takes the cores the sampler's ``sampler_threads`` leave."""
+    ``OMP_NUM_THREADS`` given, the trainer takes the cores the sampler's ``sampler_threads`` leave.
+    ``cfg.keep_freed_memory``: glibc keeps freed blocks for reuse (``resources.keep_freed_memory``)."""
     if device.type == "cpu":
+        if getattr(cfg, "keep_freed_memory", False):
+            keep_freed_memory()
         threads = cfg.threads
         if threads is None and getattr(cfg, "max_staleness", 0) and getattr(cfg, "rollout_backend", "hf") == "hf" \
                 and not os.environ.get("OMP_NUM_THREADS"):

@@ -134,3 +134,50 @@ def test_a_run_takes_the_configured_thread_count(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# what a fresh block costs in page faults, in a process of its own (glibc's malloc settings are process-wide)
+_FAULTS = """
+import resource, sys, torch
+from grpolab.training.resources import keep_freed_memory
+from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+if sys.argv[1] == "run":  # a tiny GRPO run sets the process up as any run does
+    train_grpo(GRPOConfig(model="embedded:tiny", n_grpo_steps=1, rollout_batch_size=4, group_size=2,
+                          train_batch_size=4, gradient_accumulation_steps=1, sampling_max_tokens=4,
+                          eval_every=0, device="cpu", threads=1, show_progress=False, run_dir=sys.argv[3],
+                          keep_freed_memory=sys.argv[2] == "1"), overwrite=True)
+elif sys.argv[2] == "1":
+    assert keep_freed_memory()
+n = 48 * 2**20 // 4  # 48 MB: over glibc's largest mmap threshold (32 MB)
+for _ in range(2):  # allocated, touched, freed (glibc settles its heap's top on the first)
+    torch.empty(n).fill_(1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(n).fill_(2.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _refault_count(how: str, keep: bool, run_dir) -> int:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FAULTS, how, "1" if keep else "0", str(run_dir)], check=True,
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                          "OMP_NUM_THREADS": "1"})
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.parametrize("how", ["direct", "run"])
+def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how, tmp_path):
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        pytest.skip("not glibc: keep_freed_memory leaves this allocator as it is")
+    default = _refault_count(how, False, tmp_path / "default")
+    kept = _refault_count(how, True, tmp_path / "kept")
+    # glibc's default: the third 48 MB block is fresh pages again (12,288 at 4 KiB; fewer on huge pages)
+    assert default > 0
+    assert kept <= default // 4, (kept, default)
