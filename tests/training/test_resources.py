@@ -149,11 +149,12 @@ if sys.argv[1] == "run":  # a tiny GRPO run sets the process up as any run does
 elif sys.argv[2] == "1":
     assert keep_freed_memory()
 n = 48 * 2**20 // 4  # 48 MB: over glibc's largest mmap threshold (32 MB)
-for _ in range(2):  # allocated, touched, freed (glibc settles its heap's top on the first)
+faults = []
+for _ in range(10):  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.empty(n).fill_(1.0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.empty(n).fill_(2.0)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults))  # kept, measured: 12k for the first, then 12k or 0 for 1-2 more while glibc settles, then 0
 """
 
 
@@ -178,6 +179,6 @@ def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how
         pytest.skip("not glibc: keep_freed_memory leaves this allocator as it is")
     default = _refault_count(how, False, tmp_path / "default")
     kept = _refault_count(how, True, tmp_path / "kept")
-    # glibc's default: the third 48 MB block is fresh pages again (12,288 at 4 KiB; fewer on huge pages)
+    # glibc's default: each 48 MB block is fresh pages again (12,288 at 4 KiB; fewer on huge pages); kept: most reuse
     assert default > 0
-    assert kept <= default // 4, (kept, default)
+    assert kept <= default // 2, (kept, default)
