@@ -185,6 +185,7 @@ def choose_cpu_threads(threads: int | None, probe: bool = True, measure=_probe_s
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 KEPT_FREE_BYTES = 1 << 30  # the heap's free top is handed back to the kernel only beyond this
+GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 
 
 def keep_freed_memory(libc_name: str | None = "libc.so.6") -> bool:
@@ -195,8 +196,13 @@ def keep_freed_memory(libc_name: str | None = "libc.so.6") -> bool:
     AVX2 cores: 0.6 M faults and 2.2-3.4 s of system time per 32-row update, against 0-0.06 M and
     0.2-0.7 s kept; ``make bench-real``'s update 9.5-10.0 -> 8.9 s, peak RSS
     unchanged). True when glibc took the settings; False elsewhere (musl,
-    macOS, Windows: their allocators are left as they are)."""
+    macOS, Windows: their allocators are left as they are) and where the environment already tunes
+    glibc's malloc (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``' ``glibc.malloc.*``): that choice wins."""
     import ctypes
+    import os
+
+    if any(k in os.environ for k in GLIBC_MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
 
     try:
         libc = ctypes.CDLL(libc_name)

@@ -147,7 +147,7 @@ if sys.argv[1] == "run":  # a tiny GRPO run sets the process up as any run does
                           eval_every=0, device="cpu", threads=1, show_progress=False, run_dir=sys.argv[3],
                           keep_freed_memory=sys.argv[2] == "1"), overwrite=True)
 elif sys.argv[2] == "1":
-    assert keep_freed_memory()
+    assert keep_freed_memory() == (sys.argv[1] == "direct")
 n = 48 * 2**20 // 4  # 48 MB: over glibc's largest mmap threshold (32 MB)
 faults = []
 for _ in range(10):  # allocated, touched, freed
@@ -158,13 +158,15 @@ print(sum(faults))  # kept, measured: 12k for the first, then 12k or 0 for 1-2 m
 """
 
 
-def _refault_count(how: str, keep: bool, run_dir) -> int:
+def _refault_count(how: str, keep: bool, run_dir, **env) -> int:
+    import os
     import subprocess
     import sys
 
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"},
+           "OMP_NUM_THREADS": "1", **env}
     out = subprocess.run([sys.executable, "-c", _FAULTS, how, "1" if keep else "0", str(run_dir)], check=True,
-                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                          "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=300, env=env)
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -182,3 +184,21 @@ def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how
     # glibc's default: each 48 MB block is fresh pages again (12,288 at 4 KiB; fewer on huge pages); kept: most reuse
     assert default > 0
     assert kept <= default // 2, (kept, default)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_a_malloc_setting_in_the_environment_wins_over_keep_freed_memory(tmp_path):
+    """``grpolab plan``'s check sets ``MALLOC_MMAP_THRESHOLD_`` so that RSS measures live memory: a run
+    given it (or ``GLIBC_TUNABLES``) leaves glibc as the environment set it, every big block fresh pages."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        pytest.skip("not glibc: keep_freed_memory leaves this allocator as it is")
+    kept = _refault_count("run", True, tmp_path / "kept")
+    for i, env in enumerate([{"MALLOC_MMAP_THRESHOLD_": "131072"},
+                             {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}]):
+        for how in ("env", "run"):  # keep_freed_memory() itself (it returns False), and a run asked to keep
+            told = _refault_count(how, True, tmp_path / f"told{i}{how}", **env)
+            assert told > 2 * max(kept, 1000), (env, how, told, kept)  # every block faults afresh: ~12k each
