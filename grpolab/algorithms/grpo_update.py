@@ -41,7 +41,7 @@ def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], s
         mb = take_rows(tensors, live, device)
         with autocast():
             out = response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
-                                     temperature=temperature)
+                                     temperature=temperature, positions=mb["response_mask"].bool())
         return mb, out["log_probs"].float(), out["token_entropy"], lambda values: values.detach().cpu()
     with autocast():
         out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,

@@ -153,8 +153,8 @@ class _ChunkedHead:
     as ``models.precision``'s float32 head) computes each chunk's logits."""
 
     def __init__(self, head, labels, want_entropy: bool, temperature: float, chunk_tokens: int | None,
-                 keep_hidden: bool, vocab_size: int | None):
-        self.head, self.labels, self.want_entropy = head, labels, want_entropy
+                 keep_hidden: bool, vocab_size: int | None, positions: torch.Tensor | None = None):
+        self.head, self.labels, self.want_entropy, self.positions = head, labels, want_entropy, positions
         self.temperature, self.keep_hidden = temperature, keep_hidden
         vocab = getattr(head, "out_features", None) or vocab_size or 1
         self.step = logits_chunk_tokens(vocab, chunk_tokens)
@@ -181,15 +181,19 @@ class _ChunkedHead:
             self.hidden = hidden
         needs_grad = torch.is_grad_enabled() and (
             hidden.requires_grad or any(p.requires_grad for p in self.head.parameters()))
+        rows, labels = hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1)
+        if self.positions is not None:  # the head at those positions only (a differentiable gather)
+            keep = self.positions.reshape(-1).nonzero().squeeze(-1)
+            rows, labels = rows.index_select(0, keep), labels.index_select(0, keep)
         if needs_grad and _fusable(self.head, self.inner):
-            log_probs, entropy = _FusedHeadStats.apply(hidden.reshape(-1, hidden.shape[-1]), self.head.weight,
-                                                       self.head.bias, self.labels.reshape(-1), self.temperature,
-                                                       self.step, self.want_entropy)
+            log_probs, entropy = _FusedHeadStats.apply(rows, self.head.weight, self.head.bias, labels,
+                                                       self.temperature, self.step, self.want_entropy)
         else:
-            log_probs, entropy = chunked_token_stats(hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1),
-                                                     self.inner, self.want_entropy, self.temperature, self.step,
-                                                     owned=True, needs_grad=needs_grad)
+            log_probs, entropy = chunked_token_stats(rows, labels, self.inner, self.want_entropy, self.temperature,
+                                                     self.step, owned=True, needs_grad=needs_grad)
         packed = torch.stack([log_probs, entropy], -1) if self.want_entropy else log_probs.unsqueeze(-1)
+        if self.positions is not None:  # zeros elsewhere
+            packed = packed.new_zeros(self.labels.numel(), packed.shape[-1]).index_copy(0, keep, packed)
         return packed.view(*self.labels.shape, packed.shape[-1])
 
 
@@ -202,19 +206,22 @@ def log_probs_from_forward(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     return_last_hidden: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Log-probs of ``labels`` (batch, seq) under softmax(logits / ``temperature``) of the forward
     ``forward(**extra)`` of ``model`` (a closure calling the model, or its engine wrapper, on the
     inputs whose logits line up with ``labels``), without the (batch, seq, vocab) logits: see the
     module doc. Returns ``log_probs``, ``token_entropy`` when asked, and ``last_hidden_state`` (the
-    head's input, (batch, seq, hidden)) when asked."""
+    head's input, (batch, seq, hidden)) when asked. ``positions`` (bool, the labels' shape): a
+    chunkable head runs at those positions only (the figures are 0 elsewhere: no padding or prompt
+    position through the (rows, vocab) head, forward or backward); other models score every position."""
     temperature = check_temperature(temperature)
     head = output_head(model)
     out: dict[str, torch.Tensor] = {}
     if head is not None:
         cfg = getattr(unwrap_model(model), "config", None)
         with _ChunkedHead(head, labels, return_token_entropy, temperature, chunk_tokens, return_last_hidden,
-                          getattr(cfg, "vocab_size", None)) as chunked:
+                          getattr(cfg, "vocab_size", None), positions) as chunked:
             result = forward()
         if chunked.used:
             packed = result.logits
@@ -248,6 +255,7 @@ def response_log_probs(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     return_last_hidden: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """``core.get_response_log_probs`` (CS336 A5) without the (batch, seq, vocab) logits: the same
     values and gradients, from the chunked output head of ``log_probs_from_forward``.
@@ -261,12 +269,13 @@ def response_log_probs(
     The logits are never whole: at most ``chunk_tokens`` positions of them at a time (default: one
     ``LOGITS_CHUNK_BYTES`` float32 block), with the same values and gradients as the unchunked
     computation (``log_probs_from_forward``). ``return_last_hidden`` adds ``"last_hidden_state"``
-    (batch, seq, hidden), the output head's input (PPO's value head reads it).
+    (batch, seq, hidden), the output head's input (PPO's value head reads it). ``positions`` (bool,
+    the labels' shape, e.g. the response mask): the head runs there only, 0 elsewhere.
     """
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     return log_probs_from_forward(model, labels, lambda **extra: model(input_ids, **kwargs, **extra),
                                   return_token_entropy, temperature=temperature, chunk_tokens=chunk_tokens,
-                                  return_last_hidden=return_last_hidden)
+                                  return_last_hidden=return_last_hidden, positions=positions)
 
 
 def sum_response_log_probs(

@@ -49,7 +49,8 @@ def shared_prefix_response_log_probs(
     layout*: (R, Tr) with column ``j`` the ``j``-th response token. ``prompt_ids`` holds the
     distinct prompts; ``prompt_of_row[r]`` says which one row ``r`` continues. Returns
     ``log_probs``, ``response_mask`` (bool) and, when asked, ``token_entropy``. Logits are computed
-    ``chunk_tokens`` positions at a time (see ``fused_head.response_log_probs``)."""
+    ``chunk_tokens`` positions at a time (see ``fused_head.response_log_probs``), for a chunkable
+    head at the response tokens only: past a row's end both figures are 0 (padding)."""
     n_rows = len(response_ids)
     if n_rows == 0:
         raise ValueError("no rows")
@@ -92,7 +93,7 @@ def shared_prefix_response_log_probs(
             model, labels[:, 1:],
             lambda **extra: model(input_ids=inputs, attention_mask=attn, position_ids=pos, use_cache=True,
                                   **{kw: cache}, **extra),
-            return_token_entropy, temperature=temperature, chunk_tokens=chunk_tokens)
+            return_token_entropy, temperature=temperature, chunk_tokens=chunk_tokens, positions=resp_mask[:, 1:])
         log_probs = torch.cat([log_probs, rest["log_probs"]], dim=1)
         if return_token_entropy:
             entropy = torch.cat([entropy, rest["token_entropy"]], dim=1)

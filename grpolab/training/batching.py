@@ -171,7 +171,8 @@ def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, au
     ``token_budget`` padded tokens (default ``core.logprobs.INFERENCE_TOKEN_BUDGET``); the logits
     themselves are chunked by ``response_log_probs``. Under FSDP2/ZeRO-3 a forward is a
     collective, so every rank keeps the same fixed slices of ``rows_per_pass`` rows. ``only``: just
-    those rows (one process or DDP), the others copied from ``fill``."""
+    those rows (one process or DDP), the others copied from ``fill``. Zeros outside the response mask
+    where the model's head is chunkable (``fused_head.output_head``): the head runs on the response only."""
     tensors = batch.tensors()
     out = torch.zeros(batch.labels.shape) if fill is None else fill.clone()
     lengths = [len(p) + len(r) - 1 for p, r, _ in batch.sequences]
@@ -183,7 +184,8 @@ def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, au
         for group in groups:
             mb = take_rows(tensors, group, device)
             with autocast():
-                lp = response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature)["log_probs"]
+                lp = response_log_probs(model, mb["input_ids"], mb["labels"], temperature=temperature,
+                                        positions=mb["response_mask"].bool())["log_probs"]
             out[group, : lp.shape[1]] = lp.float().cpu()
     return out
 

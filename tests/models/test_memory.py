@@ -302,6 +302,13 @@ def test_old_log_probs_are_chunked_by_tokens_and_equal():
     with torch.no_grad():
         ref, _ = reference(model, rb.input_ids, rb.labels)
     assert torch.allclose(lp[rb.response_mask], ref[rb.response_mask], atol=1e-5)
+    # the head ran on the response tokens only: no prompt or padding position through the (rows, vocab) block
+    spy = HeadSpy(model.lm_head)
+    try:
+        batched_log_probs(model, rb, 8, "cpu", lambda: torch.autocast("cpu", enabled=False), 1.0)
+    finally:
+        spy.close()
+    assert sum(spy.rows()) == int(rb.response_mask.sum()) == sum(2 + i for i in range(8))
 
 
 # ---------------------------------------------------------------- every path that scores tokens
@@ -322,8 +329,11 @@ def test_shared_prefix_is_chunked_and_equals_the_plain_forward():
     finally:
         spy.close()
     assert spy.shapes[0] == (2, 1, VOCAB)  # the prompt pass: one position per distinct prompt
-    assert spy.shapes[1:] == [(4, VOCAB)] * 5  # 4 rows x 5 response positions, 4 at a time
+    # the head at the response tokens only, padding skipped: (5-1) + (3-1) + (6-1) + (2-1) = 12 positions
+    # after each row's first (from the prompt pass), 4 at a time, not 4 rows x 5 padded positions
+    assert spy.shapes[1:] == [(4, VOCAB)] * 3
     mask = out["response_mask"]
+    assert not out["log_probs"][~mask].any() and not out["token_entropy"][~mask].any()
     got = grads(model, out["log_probs"][mask], out["token_entropy"][mask])
     whole = shared_prefix_response_log_probs(model, prompts, responses, of_row, 0, "cpu", True, temperature=0.9,
                                              chunk_tokens=10**9)
