@@ -21,7 +21,8 @@ the machine's load falls on both. In each run the first ``--warmup`` steps are n
   real (unpadded) tokens the phase puts through the model (2 x parameters per token forward, 6 x in
   training; the rollout counts the generated tokens), per second, over the floor: the best
   ``torch.mm`` GFLOP/s at the model's own layer shapes (fp32: a 1,024-token batch, about one
-  micro-batch; bf16: 256 tokens) measured here with the same thread count;
+  micro-batch; bf16: 256 tokens) measured here with the same thread count, before and after the
+  runs (the higher of the two: a shared host's floor moves by a third between minutes);
 - peak RSS of the process.
 
 Settings: ``--dtypes`` (float32, bfloat16: autocast on both sides) x ``--threads``. Each side's best
@@ -331,6 +332,7 @@ def main(argv=None) -> None:
     print(f"{machine_line(args.model, args.device)}; {GROUP * PROMPTS_PER_STEP} completions/step, <= {MAX_NEW} tokens",
           flush=True)
     floors = {t: run_worker(args, "floor", t) for t in thread_counts}
+    floors_before = {t: dict(f) for t, f in floors.items()}
     for t, f in floors.items():
         print(f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s",
               flush=True)
@@ -356,6 +358,11 @@ def main(argv=None) -> None:
                 f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
+    floors_after = {t: run_worker(args, "floor", t) for t in thread_counts}
+    for t, f in floors_after.items():
+        print(f"matmul floor after the runs, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, "
+              f"bf16 {f['bfloat16']:.1f} GFLOP/s (the fractions use the higher of before and after)", flush=True)
+        floors[t] = {**floors[t], **{k: max(floors[t][k], f[k]) for k in ("float32", "bfloat16")}}
     table = {f"{side} {dtype} {t}t": summarise(runs[(side, dtype, t)], params, floors[t], dtype)
              for side, dtype, t in settings}
     head = ("setting", "compl/s", "tok/s", "s/step", "rollout", "log-probs", "update", "sync", "rollout %floor",
@@ -366,7 +373,9 @@ def main(argv=None) -> None:
               f"{s['rollout_s']:.1f} | {s['log_probs_s']:.1f} | {s['update_s']:.1f} | {s['sync_s']:.1f} | "
               f"{100 * s['rollout_floor_fraction']:.0f} % | {100 * s['update_floor_fraction']:.0f} % | "
               f"{s['response_length']:.0f} | {s['reward']:.3f} | {s['peak_rss_mb']:.0f} |")
-    summary = {"machine": {"cpu": cpu, "cores": os.cpu_count(), "isa": isa}, "floor_gflops": floors, "table": table}
+    summary = {"machine": {"cpu": cpu, "cores": os.cpu_count(), "isa": isa}, "floor_gflops": floors,
+               "floor_gflops_before_after": {t: [floors_before[t], floors_after[t]] for t in thread_counts},
+               "table": table}
     if set(sides) >= {"grpolab", "trl"}:
         best = {side: max((n for n in table if n.startswith(side + " ")), key=lambda n: table[n]["completions_per_s"])
                 for side in ("grpolab", "trl")}
