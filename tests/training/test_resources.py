@@ -140,8 +140,8 @@ def test_a_run_takes_the_configured_thread_count(tmp_path):
 _FAULTS = """
 import resource, sys, torch
 from grpolab.training.resources import keep_freed_memory
-from grpolab.algorithms.grpo import GRPOConfig, train_grpo
 if sys.argv[1] == "run":  # a tiny GRPO run sets the process up as any run does
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
     train_grpo(GRPOConfig(model="embedded:tiny", n_grpo_steps=1, rollout_batch_size=4, group_size=2,
                           train_batch_size=4, gradient_accumulation_steps=1, sampling_max_tokens=4,
                           eval_every=0, device="cpu", threads=1, show_progress=False, run_dir=sys.argv[3],
@@ -170,35 +170,38 @@ def _refault_count(how: str, keep: bool, run_dir, **env) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
-@pytest.mark.parametrize("how", ["direct", "run"])
-def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how, tmp_path):
+@pytest.fixture(scope="module")
+def glibc_faults(tmp_path_factory):
+    """Page faults of ten 48 MB re-allocations with glibc's defaults and with ``keep_freed_memory()``
+    called directly: the references both tests below compare with (each count a process of its own)."""
     import ctypes
 
+    if not __import__("sys").platform.startswith("linux"):
+        pytest.skip("glibc's mallopt: Linux only")
     try:
         ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
     except (OSError, AttributeError):
         pytest.skip("not glibc: keep_freed_memory leaves this allocator as it is")
-    default = _refault_count(how, False, tmp_path / "default")
-    kept = _refault_count(how, True, tmp_path / "kept")
+    tmp = tmp_path_factory.mktemp("faults")
+    return {"default": _refault_count("direct", False, tmp / "default"),
+            "kept": _refault_count("direct", True, tmp / "kept")}
+
+
+@pytest.mark.parametrize("how", ["direct", "run"])
+def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how, glibc_faults, tmp_path):
+    default = glibc_faults["default"]
+    kept = glibc_faults["kept"] if how == "direct" else _refault_count("run", True, tmp_path / "kept")
     # glibc's default: each 48 MB block is fresh pages again (12,288 at 4 KiB; fewer on huge pages); kept: most reuse
     assert default > 0
     assert kept <= default // 2, (kept, default)
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
-def test_a_malloc_setting_in_the_environment_wins_over_keep_freed_memory(tmp_path):
+def test_a_malloc_setting_in_the_environment_wins_over_keep_freed_memory(glibc_faults, tmp_path):
     """``grpolab plan``'s check sets ``MALLOC_MMAP_THRESHOLD_`` so that RSS measures live memory: a run
     given it (or ``GLIBC_TUNABLES``) leaves glibc as the environment set it, every big block fresh pages."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
-    except (OSError, AttributeError):
-        pytest.skip("not glibc: keep_freed_memory leaves this allocator as it is")
-    kept = _refault_count("run", True, tmp_path / "kept")
-    for i, env in enumerate([{"MALLOC_MMAP_THRESHOLD_": "131072"},
-                             {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}]):
-        for how in ("env", "run"):  # keep_freed_memory() itself (it returns False), and a run asked to keep
-            told = _refault_count(how, True, tmp_path / f"told{i}{how}", **env)
-            assert told > 2 * max(kept, 1000), (env, how, told, kept)  # every block faults afresh: ~12k each
+    kept = glibc_faults["kept"]
+    # keep_freed_memory() itself (it returns False), and a run asked to keep under the plan's setting
+    for how, env in [("env", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}),
+                     ("run", {"MALLOC_MMAP_THRESHOLD_": "131072"})]:
+        told = _refault_count(how, True, tmp_path / f"told{how}", **env)
+        assert told > 2 * max(kept, 1000), (env, how, told, kept)  # every block faults afresh: ~12k each
