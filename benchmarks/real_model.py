@@ -331,8 +331,8 @@ def main(argv=None) -> None:
     cpu, isa = machine(args.device)
     print(f"{machine_line(args.model, args.device)}; {GROUP * PROMPTS_PER_STEP} completions/step, <= {MAX_NEW} tokens",
           flush=True)
-    floors = {t: run_worker(args, "floor", t) for t in thread_counts}
-    floors_before = {t: dict(f) for t, f in floors.items()}
+    floors_before = {t: run_worker(args, "floor", t) for t in thread_counts}
+    floors = floors_before  # the dtype decision is taken on these; the fractions on the higher of before/after
     for t, f in floors.items():
         print(f"matmul floor, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, bf16 {f['bfloat16']:.1f} GFLOP/s",
               flush=True)
@@ -362,7 +362,8 @@ def main(argv=None) -> None:
     for t, f in floors_after.items():
         print(f"matmul floor after the runs, {t} thread(s): fp32 {f['float32']:.1f} GFLOP/s, "
               f"bf16 {f['bfloat16']:.1f} GFLOP/s (the fractions use the higher of before and after)", flush=True)
-        floors[t] = {**floors[t], **{k: max(floors[t][k], f[k]) for k in ("float32", "bfloat16")}}
+    floors = {t: {**f, **{k: max(f[k], floors_after[t][k]) for k in ("float32", "bfloat16")}}
+              for t, f in floors_before.items()}
     table = {f"{side} {dtype} {t}t": summarise(runs[(side, dtype, t)], params, floors[t], dtype)
              for side, dtype, t in settings}
     head = ("setting", "compl/s", "tok/s", "s/step", "rollout", "log-probs", "update", "sync", "rollout %floor",

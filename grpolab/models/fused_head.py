@@ -212,9 +212,9 @@ def log_probs_from_forward(
     ``forward(**extra)`` of ``model`` (a closure calling the model, or its engine wrapper, on the
     inputs whose logits line up with ``labels``), without the (batch, seq, vocab) logits: see the
     module doc. Returns ``log_probs``, ``token_entropy`` when asked, and ``last_hidden_state`` (the
-    head's input, (batch, seq, hidden)) when asked. ``positions`` (bool, the labels' shape): a
-    chunkable head runs at those positions only (the figures are 0 elsewhere: no padding or prompt
-    position through the (rows, vocab) head, forward or backward); other models score every position."""
+    head's input, (batch, seq, hidden)) when asked. ``positions`` (bool, the labels' shape): the
+    figures are 0 elsewhere; a chunkable head runs at those positions only (no padding or prompt
+    position through the (rows, vocab) head, forward or backward)."""
     temperature = check_temperature(temperature)
     head = output_head(model)
     out: dict[str, torch.Tensor] = {}
@@ -239,6 +239,9 @@ def log_probs_from_forward(
             out["last_hidden_state"] = result.hidden_states[-1]
     log_probs, entropy = log_probs_from_logits(result.logits, labels, return_token_entropy, temperature=temperature,
                                                chunk_tokens=chunk_tokens)
+    if positions is not None:  # the same figures as the chunked head's: 0 elsewhere
+        log_probs = log_probs.masked_fill(~positions, 0.0)
+        entropy = entropy.masked_fill(~positions, 0.0) if return_token_entropy else entropy
     out["log_probs"] = log_probs
     if return_token_entropy:
         out["token_entropy"] = entropy

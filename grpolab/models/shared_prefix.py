@@ -50,7 +50,7 @@ def shared_prefix_response_log_probs(
     distinct prompts; ``prompt_of_row[r]`` says which one row ``r`` continues. Returns
     ``log_probs``, ``response_mask`` (bool) and, when asked, ``token_entropy``. Logits are computed
     ``chunk_tokens`` positions at a time (see ``fused_head.response_log_probs``), for a chunkable
-    head at the response tokens only: past a row's end both figures are 0 (padding)."""
+    head at the response tokens only; past a row's end both figures are 0 (padding)."""
     n_rows = len(response_ids)
     if n_rows == 0:
         raise ValueError("no rows")

@@ -172,7 +172,7 @@ def batched_log_probs(model, batch: RolloutBatch, rows_per_pass: int, device, au
     themselves are chunked by ``response_log_probs``. Under FSDP2/ZeRO-3 a forward is a
     collective, so every rank keeps the same fixed slices of ``rows_per_pass`` rows. ``only``: just
     those rows (one process or DDP), the others copied from ``fill``. Zeros outside the response mask
-    where the model's head is chunkable (``fused_head.output_head``): the head runs on the response only."""
+    (a chunkable head, ``fused_head.output_head``, runs on the response tokens only)."""
     tensors = batch.tensors()
     out = torch.zeros(batch.labels.shape) if fill is None else fill.clone()
     lengths = [len(p) + len(r) - 1 for p, r, _ in batch.sequences]

@@ -446,6 +446,13 @@ def test_models_with_logits_after_the_head_fall_back_to_their_logits():
         ref_lp, ref_ent = reference(model, ids, labels)
     assert torch.allclose(out["log_probs"], ref_lp, atol=1e-5)
     assert torch.allclose(out["token_entropy"], ref_ent, atol=1e-5)
+    # positions: the same contract as the chunked head's, the figures there and 0 elsewhere
+    positions = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    with torch.no_grad():
+        some = response_log_probs(model, ids, labels, True, chunk_tokens=4, positions=positions)
+    for key, ref in (("log_probs", ref_lp), ("token_entropy", ref_ent)):
+        assert not some[key][~positions].any()
+        assert torch.allclose(some[key][positions], ref[positions], atol=1e-5)
     softcapped = llama(vocab=500)
     softcapped.config.logit_scale = 0.5
     assert output_head(softcapped) is None and output_head(llama(vocab=500)) is not None

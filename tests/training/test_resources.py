@@ -2,6 +2,7 @@
 cache fits memory, a group larger than the batch bound is sampled in parts."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -161,7 +162,6 @@ print(sum(faults))  # kept, measured: 12k for the first, then 12k or 0 for 1-2 m
 def _refault_count(how: str, keep: bool, run_dir, **env) -> int:
     import os
     import subprocess
-    import sys
 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"},
            "OMP_NUM_THREADS": "1", **env}
@@ -176,7 +176,7 @@ def glibc_faults(tmp_path_factory):
     called directly: the references both tests below compare with (each count a process of its own)."""
     import ctypes
 
-    if not __import__("sys").platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         pytest.skip("glibc's mallopt: Linux only")
     try:
         ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
