@@ -588,13 +588,12 @@ def test_distributed_gradients_with_chunked_logits(tmp_path):
 def test_logits_fp32_in_a_bf16_grpo_run_reaches_the_sampler_and_the_trainer(grpo_config, tmp_path, monkeypatch):
     """``logits_fp32: true`` reaches the trainer and the sampler alike (the Run sets it on the model
     before the sampler's and the reference's copies are made): every lean decoder the run builds
-    computes its head in float32, the trainer's head runs the float32 forward, and the mean
-    |sampler - trainer| log-prob over every sampled token (off-policy: old log-probs of all rows) is
-    no larger than with the bf16 head, up to the rounding of two float32 computations (the same
-    run's gap with a float32 model). How much smaller it gets depends on the CPU's bf16 kernels:
-    where the sampler and the trainer compute the bf16 trunk differently (native bf16), the head's
-    rounding is a small part of the gap; where they compute it identically (ATen's default
-    kernels), there is no gap to shrink. The synthetic test above measures the head's part alone."""
+    computes its head in float32, the trainer's head runs the float32 forward, and the sampler/trainer
+    log-prob gap is still measured on every sampled token. Its size is not compared with the bf16
+    head's here: rounding the logits to bf16 can hide the trunk's differences that a float32 head
+    shows (ATen's default kernels: 3e-8 with the bf16 head, 6e-5 with the float32 one, where a
+    shorter row's padding changes the trainer's bf16 trunk), and those depend on the CPU's kernels;
+    the synthetic test above compares the two heads on the same tokens."""
     from grpolab.algorithms.grpo import train_grpo
     from grpolab.models import precision
     from grpolab.rollout import fast_decoder
@@ -621,11 +620,9 @@ def test_logits_fp32_in_a_bf16_grpo_run_reaches_the_sampler_and_the_trainer(grpo
                           run_dir=str(tmp_path / str(kw)), **{"dtype": "bfloat16", **kw})
         steps = [r for r in read_metrics(train_grpo(cfg).metrics_path) if "health/logprob_mismatch" in r]
         assert len(steps) == 2 and all(r["health/logprob_mismatch_tokens"] > 0 for r in steps)
-        return sum(r["health/logprob_mismatch"] for r in steps) / len(steps)
 
-    float32_gap, bf16_head = mismatch(dtype="float32"), mismatch()
-    assert decoders and not any(decoders) and not head_calls
-    fp32_head = mismatch(logits_fp32=True)
+    mismatch()
+    assert decoders and not any(decoders) and not head_calls  # the bf16 head: neither side in float32
+    mismatch(logits_fp32=True)
     assert decoders and all(decoders), decoders  # the sampler: every decoder it built
     assert head_calls  # the trainer's log-probs (and the reference's) went through the float32 head
-    assert fp32_head <= bf16_head + 4 * float32_gap, (fp32_head, bf16_head, float32_gap)
