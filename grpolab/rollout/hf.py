@@ -230,6 +230,8 @@ class HFRolloutBackend:
                         rollouts.extend(self._generate_chunk(prompts, prompt_ids, chunk, part, sampling, generator))
         finally:
             self.model.train(was_training)
+            if self._fast is not None:
+                self._fast.release()
         return rollouts
 
     def _generate_chunk(self, prompts, prompt_ids, chunk, n, sampling, generator):

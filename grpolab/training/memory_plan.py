@@ -12,7 +12,8 @@ What a rank holds is what grpolab's own code allocates (``run_model.py``, ``dist
   buckets) and AdamW's two fp32 moments (sharded by FSDP2 and every ZeRO stage, not by DDP); under
   LoRA only the adapters train;
 - the sampler's plain copy of the full weights (``RunModel.replica``) whenever the training weights
-  are sharded or adapted, and the hf sampler's fused q/k/v and gate/up weights (``fast_decoder``);
+  are sharded or adapted, and the hf sampler's fused q/k/v and gate/up weights (``fast_decoder``;
+  under bf16 also, through the rollout only, a bf16 copy of every matmul weight);
   ZeRO's gradient reduce bucket (``reduce_bucket_size`` with ``contiguous_gradients``, whole on a
   GPU; two with ZeRO-1/2's ``overlap_comm``); and the frozen reference (``kl_coef``/``beta`` > 0;
   LoRA: none, the base with the adapter off);
@@ -107,6 +108,7 @@ class RankMemory:
     engine: int = 0  # the vLLM engine's weights
     kv_cache: int = 0
     fused: int = 0  # the hf sampler's fused q/k/v, gate/up
+    cast: int = 0  # the hf sampler's bf16 copies of the matmul weights under bf16 autocast (rollout only)
     asleep: bool = False  # vLLM sleep mode (level 1) during the update: weights offloaded, KV cache freed
     seq: int = 1
 
@@ -228,6 +230,7 @@ def _sampler(cfg, m: RankMemory, hw: Hardware, notes: list[str]) -> None:
                      f"({m.kv_cache // max(1, per_token * m.seq)} sequences of {m.seq})")
     elif hasattr(cfg, "sampling_max_tokens"):
         m.fused = s.fused_sampler_bytes()
+        m.cast = s.cast_sampler_bytes() if m.bf16 else 0
         batch = min(getattr(cfg, "rollout_max_batch_size", 256),
                     math.ceil(getattr(cfg, "rollout_batch_size", getattr(cfg, "train_batch_size", 1)) / m.world))
         m.kv_cache = batch * m.seq * s.kv_bytes_per_token(2 if m.bf16 else 4) + batch * s.vocab_size * 4
@@ -244,8 +247,9 @@ def setup_peak(m: RankMemory) -> int:
 
 
 def rollout_peak(m: RankMemory) -> int:
-    """The rollout: the vLLM engine, or the hf sampler's KV cache and fused weights (rebuilt beside the old)."""
-    return m.persistent + (m.engine + m.kv_cache if m.vllm else m.kv_cache + m.fused)
+    """The rollout: the vLLM engine, or the hf sampler's KV cache and fused weights (rebuilt beside the
+    old), and under bf16 its bf16 weight copies."""
+    return m.persistent + (m.engine + m.kv_cache if m.vllm else m.kv_cache + m.fused + m.cast)
 
 
 def update_peak(m: RankMemory, rows: int, checkpointing: bool) -> int:
@@ -306,6 +310,7 @@ def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: 
     acts = rows * m.seq * shape.activation_bytes_per_token(ckpt, m.bf16)
     plan.terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states (AdamW)": m.optimizer,
                   "sampler's weight copy": m.replica, "sampler's fused q/k/v, gate/up (hf)": m.fused,
+                  "sampler's bf16 weights (hf)": m.cast,
                   "ZeRO gradient bucket": m.bucket, "reference model": m.reference, "activations": acts,
                   "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts, "vLLM weights": m.engine,
                   "KV cache": m.kv_cache,

@@ -1,5 +1,6 @@
 """The Hugging Face rollout backend: exact ids, sampler log-probs, stops, min/max tokens, seeds."""
 
+import contextlib
 import re
 
 import pytest
@@ -315,6 +316,66 @@ def test_fast_decoder_grouped_query_attention_matches_hf_without_copying_the_cac
     head_dim = 48 // heads
     live_keys = 4 * kv_heads * (width + 5) * head_dim  # one layer's cached keys after the 5th step
     assert mode.largest < live_keys, (mode.largest, live_keys)
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shapes of the tensors every dtype conversion converts (``aten._to_copy``, or ``aten.to`` as
+    inference mode dispatches it, undecomposed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to) and out.dtype != args[0].dtype:
+            self.shapes.append(tuple(args[0].shape))
+        return out
+
+
+def test_fast_decoder_under_cpu_bf16_autocast_casts_its_weights_once_with_autocasts_values():
+    """bf16 autocast over float32 weights (``dtype: bfloat16`` on a CPU): the decoder's matmuls take
+    weights cast once per ``refresh``, and its KV cache is kept in bf16, so a decode step converts
+    neither a weight nor the cache (autocast converted every weight and the whole cache at every
+    step); the logits are bit-identical to letting autocast cast at every call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpolab.rollout import fast_decoder
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=6, num_key_value_heads=2,
+                                         max_position_embeddings=128)).eval()
+    ids, mask = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+
+    def decode(dec, casts=None):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = [dec.prefill(ids, mask, max_new=8)]
+            for t in range(4):
+                with casts or contextlib.nullcontext():
+                    out.append(dec.step(torch.tensor([10 + t, 20 + t])))
+        return torch.stack(out)
+
+    dec = fast_decoder.FastDecoder(model)
+    casts = _Casts()
+    logits = decode(dec, casts)
+    weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    weights |= {tuple(lay.qkv_w.shape) for lay in dec.layers} | {tuple(lay.gate_up_w.shape) for lay in dec.layers}
+    assert casts.shapes and not [s for s in casts.shapes if s in weights], casts.shapes  # no weight cast per step
+    assert not [s for s in casts.shapes if len(s) == 4 and s[2] > 1], casts.shapes  # nor the cache
+    assert dec.k_cache[0].dtype == torch.bfloat16
+    per_call = fast_decoder.FastDecoder(model)
+    per_call._weights = lambda dtype: (per_call.layers, per_call.lm_head)  # autocast casts at every call
+    assert torch.equal(logits, decode(per_call))
+    # and they are Hugging Face's bf16 logits (the unpadded row: the same positions on both sides), to
+    # within what bf16 itself moves them from float32 (the same bf16 ops; kernels may sum in another order)
+    full = torch.cat([ids[1:], torch.tensor([[20, 21, 22, 23]])], dim=1)
+    with torch.inference_mode():
+        fp32 = model(full).logits[0, 3:8].float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hf = model(full).logits[0, 3:8].float()
+    ours = logits[:, 1]
+    assert (ours - hf).abs().max() <= (hf - fp32).abs().max(), ((ours - hf).abs().max(), (hf - fp32).abs().max())
 
 
 def test_vllm_backend_without_vllm_is_a_one_line_error_naming_the_install(lm):

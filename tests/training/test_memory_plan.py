@@ -27,6 +27,43 @@ def test_parameter_counts_equal_the_models_own(tiny_model):
     assert ModelShape.from_config(small, "test").n_params == sum(p.numel() for p in qwen.parameters())
 
 
+def test_the_hf_samplers_weight_terms_equal_the_fast_decoders_own_tensors():
+    """The fused q/k/v and gate/up copies (fp32), and under bf16 autocast the bf16 copies of every
+    matmul weight the decoder holds through a rollout, byte for byte."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpolab.rollout.fast_decoder import FastDecoder
+
+    small = dict(ARCHITECTURES["Qwen2.5-Math-7B"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    dec = FastDecoder(Qwen2ForCausalLM(Qwen2Config(**small)))
+    shape = ModelShape.from_config(small, "test")
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    assert shape.fused_sampler_bytes() == nbytes(t for lay in dec.layers for t in (lay.qkv_w, lay.qkv_b, lay.gate_up_w))
+    layers, head = dec._weights(torch.bfloat16)
+    cast = [head] + [getattr(lay, n) for lay in layers for n in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w")]
+    assert all(t is None or t.dtype == torch.bfloat16 for t in cast)
+    assert shape.cast_sampler_bytes() == nbytes(cast)
+
+
+def test_a_bf16_hf_rollout_plans_the_bf16_weight_copies_in_the_rollout_alone(tmp_path):
+    base = dict(model="embedded:small", run_dir=str(tmp_path), rollout_batch_size=16, group_size=4, train_batch_size=16,
+                gradient_accumulation_steps=2)
+    plans = {d: estimate(GRPOConfig.build(None, dict(base, dtype=d)), Hardware("cpu", 1, 8 * GiB), prompt_tokens=16)
+             for d in ("float32", "bfloat16")}
+    term = "sampler's bf16 weights (hf)"
+    cast = model_shape("embedded:small")[0].cast_sampler_bytes()
+    assert plans["float32"].terms[term] == 0 and plans["bfloat16"].terms[term] == cast
+    fp32, bf16 = plans["float32"].phases, plans["bfloat16"].phases
+    kv = plans["float32"].terms["KV cache"] - plans["bfloat16"].terms["KV cache"]
+    assert bf16["rollout"] - fp32["rollout"] == cast - kv
+    assert bf16["optimizer step"] == fp32["optimizer step"]
+
+
 def test_known_architectures_have_their_published_sizes():
     assert round(model_shape("x", "Qwen2.5-Math-1.5B")[0].n_params / 1e9, 2) == 1.54
     assert round(model_shape("x", "Qwen2.5-Math-7B")[0].n_params / 1e9, 2) == 7.62
