@@ -55,15 +55,21 @@ class _Layer:
         self.down_w = mlp.down_proj.weight
         self.scaling = attn.scaling
 
-    def to(self, dtype: torch.dtype) -> _Layer:
-        """This layer with its matmul weights and biases in ``dtype``: what autocast casts them to at
-        every call (the same values), cast once instead of at every decode step."""
+    MATMUL = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w")
+
+    def cast_into(self, buffer: torch.Tensor, offset: int) -> tuple[_Layer, int]:
+        """This layer with its matmul weights and biases in ``buffer``'s dtype, written into ``buffer``
+        from ``offset`` on: what autocast casts them to at every call (the same values), cast once
+        instead of at every decode step. Returns the layer and the next free offset."""
         out = copy.copy(self)
-        for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w"):
+        for name in self.MATMUL:
             weight = getattr(self, name)
             if weight is not None:
-                setattr(out, name, weight.to(dtype))
-        return out
+                view = buffer[offset : offset + weight.numel()].view(weight.shape)
+                view.copy_(weight)
+                setattr(out, name, view)
+                offset += weight.numel()
+        return out, offset
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,8 +142,16 @@ class FastDecoder:
         SmolLM2 decode step); the values are autocast's own casts, so the logits are unchanged."""
         if dtype == self.embed.dtype:
             return self.layers, self.lm_head
-        if dtype not in self._cast:
-            self._cast[dtype] = ([lay.to(dtype) for lay in self.layers], self.lm_head.to(dtype))
+        if dtype not in self._cast:  # one block for all of them: freed whole, it leaves the heap no holes
+            sizes = [getattr(lay, n).numel() for lay in self.layers for n in _Layer.MATMUL if getattr(lay, n) is not None]
+            buffer = torch.empty(sum(sizes) + self.lm_head.numel(), dtype=dtype, device=self.lm_head.device)
+            layers, offset = [], 0
+            for lay in self.layers:
+                cast, offset = lay.cast_into(buffer, offset)
+                layers.append(cast)
+            head = buffer[offset:].view(self.lm_head.shape)
+            head.copy_(self.lm_head)
+            self._cast[dtype] = (layers, head)
         return self._cast[dtype]
 
     def release(self) -> None:
