@@ -143,14 +143,15 @@ class FastDecoder:
         if dtype == self.embed.dtype:
             return self.layers, self.lm_head
         if dtype not in self._cast:  # one block for all of them: freed whole, it leaves the heap no holes
-            sizes = [getattr(lay, n).numel() for lay in self.layers for n in _Layer.MATMUL if getattr(lay, n) is not None]
-            buffer = torch.empty(sum(sizes) + self.lm_head.numel(), dtype=dtype, device=self.lm_head.device)
+            weights = [getattr(lay, n) for lay in self.layers for n in _Layer.MATMUL]
+            sizes = [w.numel() for w in weights if w is not None]
+            head_size = 0 if self.logits_fp32 else self.lm_head.numel()  # an fp32 head runs lm_head_fp32
+            buffer = torch.empty(sum(sizes) + head_size, dtype=dtype, device=self.lm_head.device)
             layers, offset = [], 0
             for lay in self.layers:
                 cast, offset = lay.cast_into(buffer, offset)
                 layers.append(cast)
-            head = buffer[offset:].view(self.lm_head.shape)
-            head.copy_(self.lm_head)
+            head = self.lm_head if self.logits_fp32 else buffer[offset:].view(self.lm_head.shape).copy_(self.lm_head)
             self._cast[dtype] = (layers, head)
         return self._cast[dtype]
 

@@ -230,7 +230,7 @@ def _sampler(cfg, m: RankMemory, hw: Hardware, notes: list[str]) -> None:
                      f"({m.kv_cache // max(1, per_token * m.seq)} sequences of {m.seq})")
     elif hasattr(cfg, "sampling_max_tokens"):
         m.fused = s.fused_sampler_bytes()
-        m.cast = s.cast_sampler_bytes() if m.bf16 else 0
+        m.cast = s.cast_sampler_bytes(head=not getattr(cfg, "logits_fp32", False)) if m.bf16 else 0
         batch = min(getattr(cfg, "rollout_max_batch_size", 256),
                     math.ceil(getattr(cfg, "rollout_batch_size", getattr(cfg, "train_batch_size", 1)) / m.world))
         m.kv_cache = batch * m.seq * s.kv_bytes_per_token(2 if m.bf16 else 4) + batch * s.vocab_size * 4

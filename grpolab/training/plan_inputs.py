@@ -169,12 +169,13 @@ class ModelShape:
         )
         return 4 * self.num_hidden_layers * per_layer
 
-    def cast_sampler_bytes(self) -> int:
+    def cast_sampler_bytes(self, head: bool = True) -> int:
         """Under bf16 autocast over fp32 weights, the hf backend's lean decoder casts every matmul weight
-        (each layer's linears and the head) to bf16 once per ``generate`` and frees them after it."""
+        (each layer's linears, and the head unless ``logits_fp32`` keeps it fp32) to bf16 once per
+        ``generate`` and frees them after it."""
         bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
         per_layer = sum(a * b for a, b in self.linears().values()) + bias
-        return 2 * (self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size)
+        return 2 * (self.num_hidden_layers * per_layer + (self.vocab_size * self.hidden_size if head else 0))
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.kv_dim * element_bytes

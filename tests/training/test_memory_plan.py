@@ -48,6 +48,15 @@ def test_the_hf_samplers_weight_terms_equal_the_fast_decoders_own_tensors():
     cast = [head] + [getattr(lay, n) for lay in layers for n in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w")]
     assert all(t is None or t.dtype == torch.bfloat16 for t in cast)
     assert shape.cast_sampler_bytes() == nbytes(cast)
+    # logits_fp32: the head runs its fp32 copy, so none is cast to bf16
+    from grpolab.models.precision import set_logits_fp32
+
+    set_logits_fp32(dec.model)
+    dec.refresh()
+    layers, head = dec._weights(torch.bfloat16)
+    assert head.dtype == torch.float32
+    cast = [getattr(lay, n) for lay in layers for n in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w")]
+    assert shape.cast_sampler_bytes(head=False) == nbytes(cast)
 
 
 def test_a_bf16_hf_rollout_plans_the_bf16_weight_copies_in_the_rollout_alone(tmp_path):
@@ -62,6 +71,9 @@ def test_a_bf16_hf_rollout_plans_the_bf16_weight_copies_in_the_rollout_alone(tmp
     kv = plans["float32"].terms["KV cache"] - plans["bfloat16"].terms["KV cache"]
     assert bf16["rollout"] - fp32["rollout"] == cast - kv
     assert bf16["optimizer step"] == fp32["optimizer step"]
+    fp32_head = estimate(GRPOConfig.build(None, dict(base, dtype="bfloat16", logits_fp32=True)), Hardware("cpu", 1, 8 * GiB),
+                         prompt_tokens=16)
+    assert fp32_head.terms[term] == model_shape("embedded:small")[0].cast_sampler_bytes(head=False) < cast
 
 
 def test_known_architectures_have_their_published_sizes():
