@@ -71,8 +71,8 @@ def test_a_bf16_hf_rollout_plans_the_bf16_weight_copies_in_the_rollout_alone(tmp
     kv = plans["float32"].terms["KV cache"] - plans["bfloat16"].terms["KV cache"]
     assert bf16["rollout"] - fp32["rollout"] == cast - kv
     assert bf16["optimizer step"] == fp32["optimizer step"]
-    fp32_head = estimate(GRPOConfig.build(None, dict(base, dtype="bfloat16", logits_fp32=True)), Hardware("cpu", 1, 8 * GiB),
-                         prompt_tokens=16)
+    fp32_head = estimate(GRPOConfig.build(None, dict(base, dtype="bfloat16", logits_fp32=True)),
+                         Hardware("cpu", 1, 8 * GiB), prompt_tokens=16)
     assert fp32_head.terms[term] == model_shape("embedded:small")[0].cast_sampler_bytes(head=False) < cast
 
 
