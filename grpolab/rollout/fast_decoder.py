@@ -137,16 +137,16 @@ class FastDecoder:
 
     def _weights(self, dtype: torch.dtype) -> tuple[list[_Layer], torch.Tensor]:
         """The layers and the head's weight as the matmuls compute them: under autocast to another
-        dtype (bf16 over float32 weights), copies cast once per ``refresh`` (once per ``generate``)
-        instead of autocast casting every weight at every step (540 MB read, 270 MB written per
+        dtype (bf16 over float32 weights), copies cast at the first step after ``refresh`` or ``release``
+        (once per ``generate``) instead of autocast casting every weight at every step (540 MB read, 270 MB written per
         SmolLM2 decode step); the values are autocast's own casts, so the logits are unchanged."""
         if dtype == self.embed.dtype:
             return self.layers, self.lm_head
         if dtype not in self._cast:  # one block for all of them: freed whole, it leaves the heap no holes
             weights = [getattr(lay, n) for lay in self.layers for n in _Layer.MATMUL]
-            sizes = [w.numel() for w in weights if w is not None]
             head_size = 0 if self.logits_fp32 else self.lm_head.numel()  # an fp32 head runs lm_head_fp32
-            buffer = torch.empty(sum(sizes) + head_size, dtype=dtype, device=self.lm_head.device)
+            size = sum(w.numel() for w in weights if w is not None) + head_size
+            buffer = torch.empty(size, dtype=dtype, device=self.lm_head.device)
             layers, offset = [], 0
             for lay in self.layers:
                 cast, offset = lay.cast_into(buffer, offset)

@@ -127,9 +127,14 @@ class ModelShape:
                 "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
-    def n_params(self) -> int:
+    def matmul_params_per_layer(self) -> int:
+        """One decoder layer's linear weights and their biases (q/k/v biases where ``attention_bias``)."""
         bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
-        layer = sum(a * b for a, b in self.linears().values()) + bias + 2 * self.hidden_size
+        return sum(a * b for a, b in self.linears().values()) + bias
+
+    @property
+    def n_params(self) -> int:
+        layer = self.matmul_params_per_layer + 2 * self.hidden_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + embeddings + self.hidden_size
 
@@ -173,9 +178,8 @@ class ModelShape:
         """Under bf16 autocast over fp32 weights, the hf backend's lean decoder casts every matmul weight
         (each layer's linears, and the head unless ``logits_fp32`` keeps it fp32) to bf16 once per
         ``generate`` and frees them after it."""
-        bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
-        per_layer = sum(a * b for a, b in self.linears().values()) + bias
-        return 2 * (self.num_hidden_layers * per_layer + (self.vocab_size * self.hidden_size if head else 0))
+        head_params = self.vocab_size * self.hidden_size if head else 0
+        return 2 * (self.num_hidden_layers * self.matmul_params_per_layer + head_params)
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.kv_dim * element_bytes
