@@ -101,7 +101,7 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update, group_size: i
         "train/response_length": float(lengths.mean()),
         "train/response_length_correct": float(lengths[correct].mean()) if correct.any() else 0.0,
         "train/response_length_incorrect": float(lengths[~correct].mean()) if (~correct).any() else 0.0,
-        "train/kl_early_stop": int(update.stopped_early),
+        "train/kl_early_stop": int(update.stopped_early), "train/skipped_updates_kl_stop": update.skipped_kl_stop,
         **{f"health/{k}": v for k, v in health.items()},
     }
     for k in scores[0]:
@@ -111,9 +111,13 @@ def rollout_metrics(rollouts, scores, batch: RolloutBatch, update, group_size: i
 
 
 def log_step(run: Run, health: HealthMonitor, update, m: dict, last_reward_error, step: int) -> None:
-    """One record per optimizer step (the rollout figures on the first), then the health check."""
+    """One record per optimizer step (the rollout figures on the first), then the health check. Summed
+    over a step's records, ``train/skipped_updates`` counts its updates not taken (non-finite, KL early stop)."""
     for i, record in enumerate(update.records or [{"grpo_step": step}]):
-        run.log({**record, **(m if i == 0 else {})})
+        if i == 0:
+            skipped = record.get("train/skipped_updates", 0) + update.skipped_kl_stop
+            record = {**record, **m, "train/skipped_updates": skipped}
+        run.log(record)
     figures = {k[7:]: v for k, v in m.items() if k.startswith("health/")}
     for message in health.update({**figures, "reward_mean": m["train/reward"], "last_reward_error": last_reward_error,
                                   "tools/errors_per_rollout": m.get("tools/errors_per_rollout")}):

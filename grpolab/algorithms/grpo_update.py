@@ -25,7 +25,14 @@ from ..models.shared_prefix import (
     supports_shared_prefix,
 )
 from ..training import distributed
-from ..training.batching import RolloutBatch, batched_log_probs, optimizer_batches, plan_microbatches, take_rows
+from ..training.batching import (
+    RolloutBatch,
+    batched_log_probs,
+    optimizer_batch_count,
+    optimizer_batches,
+    plan_microbatches,
+    take_rows,
+)
 from ..training.run import Run
 
 if TYPE_CHECKING:
@@ -218,6 +225,7 @@ class Update:
 
     records: list[dict]
     stopped_early: bool
+    skipped_kl_stop: int  # optimizer steps of the rollout batch not taken because the KL early stop fired
     applied_steps: int  # optimizer steps that changed the weights (not stopped, not skipped as non-finite)
     trainer_lp: torch.Tensor
     trained: torch.Tensor
@@ -239,6 +247,7 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
     contributes = has_tokens & ((signal != 0) | regularised | (not cfg.skip_zero_advantage))
     shuffle = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     records, kl_values, stopped, applied = [], [], False, 0
+    planned = cfg.epochs_per_rollout_batch * optimizer_batch_count(n, cfg.train_batch_size)
     for epoch in range(cfg.epochs_per_rollout_batch):
         for rows in optimizer_batches(
             n, cfg.train_batch_size, cfg.off_policy, shuffle, [s[2] for s in batch.sequences]
@@ -253,6 +262,9 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
             if cfg.kl_stop is not None and cfg.off_policy and approx_kl > cfg.kl_stop:
                 optimizer.zero_grad(set_to_none=True)  # measured before the step: this update is not applied
                 stopped = True
+                run.bar.write(f"grpolab health: grpo step {step}: KL early stop (approx KL(old || current) "
+                              f"{approx_kl:.4g} > kl_stop {cfg.kl_stop}): {planned - len(records)} of {planned} "
+                              "optimizer updates of this rollout batch skipped (kl_stop: null turns it off)")
                 break
             result = run.optimizer_step(optimizer, scheduler, sums["loss"])
             applied += not result.skipped
@@ -271,6 +283,5 @@ def policy_update(run: Run, batch: RolloutBatch, cfg: GRPOConfig, optimizer, sch
             run.train_step += 1
         if stopped:
             break
-    return Update(
-        records, stopped, applied, trainer_lp, trained, sum(kl_values) / len(kl_values) if kl_values else None
-    )
+    mean_kl = sum(kl_values) / len(kl_values) if kl_values else None
+    return Update(records, stopped, planned - len(records) if stopped else 0, applied, trainer_lp, trained, mean_kl)

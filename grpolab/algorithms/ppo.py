@@ -35,7 +35,7 @@ from ..core import (
 from ..models.fused_head import response_log_probs
 from ..rewards import RewardScorer
 from ..rollout import make_backend
-from ..training.batching import ExampleSampler, optimizer_batches, plan_microbatches, take_rows
+from ..training.batching import ExampleSampler, optimizer_batch_count, optimizer_batches, plan_microbatches, take_rows
 from ..training.inputs import load_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
@@ -54,7 +54,8 @@ class PPOConfig(PolicyUpdateConfig):
     # (group_size 1: plain PPO), minibatches of 32, whitened advantages, and the seed design's KL:
     # 0.2, adaptive within [0.1, 0.3] toward a summed per-sequence KL of 6 (Ziegler et al.); 0 = no KL.
     method_defaults = dict(rollout_batch_size=64, group_size=1, train_batch_size=32, gradient_accumulation_steps=1,
-                           warmup_steps=0, whiten_advantages=True, kl_coef=0.2, kl_adaptive=True, kl_target=6.0)
+                           warmup_steps=0, whiten_advantages=True, kl_coef=0.2, kl_adaptive=True, kl_target=6.0,
+                           kl_stop=0.3)
     # --- PPO: value function and GAE
     n_ppo_steps: int = Field(100, ge=1)
     """Outer steps: each samples a rollout batch, scores it and updates the policy and value head on it."""
@@ -147,15 +148,19 @@ def score_tokens(policy, ref, batch: dict, score: torch.Tensor, kl_coef: float, 
 
 
 def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, scheduler, step: int,
-               token_stats: dict | None = None) -> tuple[dict, bool]:
+               token_stats: dict | None = None) -> tuple[dict, int]:
     """``ppo_epochs`` passes over shuffled minibatches; the approx KL(old || current) of each
-    minibatch is measured before its optimizer step, which is not applied once it exceeds kl_stop."""
+    minibatch is measured before its optimizer step, which is not applied once it exceeds kl_stop.
+    Returns the summed figures and the optimizer steps the KL early stop skipped (0: it did not fire),
+    said in one line."""
     mask = batch["response_mask"]
     has = mask.any(1)
     sums: dict[str, float] = {}
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    planned, taken = cfg.ppo_epochs * optimizer_batch_count(cfg.rollout_batch_size, cfg.train_batch_size), 0
     for epoch in range(cfg.ppo_epochs):
         for rows in optimizer_batches(cfg.rollout_batch_size, cfg.train_batch_size, True, g):
+            taken += 1
             rows = [r for r in rows if has[r]]
             if not rows:
                 continue
@@ -172,7 +177,11 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
             tok = max(f["tokens"], 1.0)
             if cfg.kl_stop is not None and f["approx_kl"] / tok > cfg.kl_stop:
                 optimizer.zero_grad(set_to_none=True)  # measured before the step: not applied
-                return sums, True
+                skipped = planned - taken + 1
+                run.bar.write(f"grpolab health: ppo step {step}: KL early stop (approx KL(old || current) "
+                              f"{f['approx_kl'] / tok:.4g} > kl_stop {cfg.kl_stop}): {skipped} of {planned} "
+                              "optimizer updates of this rollout batch skipped (kl_stop: null turns it off)")
+                return sums, skipped
             result = run.optimizer_step(optimizer, scheduler, f["loss"], parameters_of=policy)
             run.log_update({"train_step": run.train_step, "ppo_step": step, "epoch": epoch,
                             "train/pg_loss": f["pg_loss"] / tok, "train/value_loss": f["value_loss"] / tok,
@@ -182,11 +191,11 @@ def ppo_update(run: Run, policy, batch: dict, cfg: PPOConfig, optimizer, schedul
             run.train_step += 1
             for k, v in f.items():
                 sums[k] = sums.get(k, 0.0) + v
-    return sums, False
+    return sums, 0
 
 
 def step_metrics(step: int, score: torch.Tensor, scores: list[dict], seq_kl: float, kl_coef: float, sums: dict,
-                 batch: dict, stopped: bool, nonfinite_steps: int) -> dict[str, float]:
+                 batch: dict, stopped: int, nonfinite_steps: int) -> dict[str, float]:
     """A PPO step's figures: reward, KL to the reference and its coefficient, value loss, returns and
     values, the KL early stop, response length, skipped steps, and the reward's components."""
     mask = batch["response_mask"]
@@ -195,7 +204,9 @@ def step_metrics(step: int, score: torch.Tensor, scores: list[dict], seq_kl: flo
         "train/value_loss_mean": sums.get("value_loss", 0.0) / max(sums.get("tokens", 0.0), 1.0),
         "train/returns_mean": float(masked_mean(batch["returns"], mask)) if mask.any() else 0.0,
         "train/values_mean": float(masked_mean(batch["old_values"], mask)) if mask.any() else 0.0,
-        "train/kl_early_stop": int(stopped), "train/response_length": float(mask.sum(1).float().mean()),
+        "train/kl_early_stop": int(stopped > 0), "train/skipped_updates_kl_stop": stopped,
+        "train/skipped_updates": stopped,  # plus each update record's own (non-finite): summed, the step's skips
+        "train/response_length": float(mask.sum(1).float().mean()),
         "health/nonfinite_steps": nonfinite_steps,
         **{f"train/reward_{k}": sum(s.get(k, 0.0) for s in scores) / len(scores) for k in scores[0] if k != "reward"},
     }

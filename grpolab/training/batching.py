@@ -63,6 +63,11 @@ def take_rows(batch: dict[str, torch.Tensor], rows: list[int], device) -> dict[s
     return out
 
 
+def optimizer_batch_count(n_rows: int, batch_size: int) -> int:
+    """How many optimizer batches ``optimizer_batches`` makes of ``n_rows`` rows per epoch."""
+    return -(-n_rows // max(1, batch_size // distributed.current().world_size))
+
+
 def optimizer_batches(n_rows: int, batch_size: int, shuffle: bool, generator: torch.Generator | None = None,
                       keep_together: list[int] | None = None) -> list[list[int]]:
     """Row indices of each optimizer batch for one epoch over ``n_rows`` rows.

@@ -257,9 +257,10 @@ class Run:
                 "of them is written. Lower learning_rate, or use float32.")
 
     def update_record(self, record: dict[str, Any], result: StepResult, optimizer=None) -> dict[str, Any]:
-        """One optimizer step's record with its gradient norm, learning rate and the count of
-        skipped (non-finite) steps so far."""
-        extra = {"train/grad_norm": result.grad_norm, "health/nonfinite_steps": self.nonfinite_steps}
+        """One optimizer step's record with its gradient norm, learning rate, whether this update was
+        skipped (``train/skipped_updates``, by reason) and the count of skipped (non-finite) steps so far."""
+        extra = {"train/grad_norm": result.grad_norm, "health/nonfinite_steps": self.nonfinite_steps,
+                 "train/skipped_updates": int(result.skipped), "train/skipped_updates_nonfinite": int(result.skipped)}
         if optimizer is not None:
             extra["train/lr"] = current_lr(optimizer)
         return {**record, **extra}

@@ -166,9 +166,10 @@ class PolicyUpdateConfig(SampledRunConfig):
     """The adaptive coefficient's lower bound."""
     kl_coef_max: float = Field(0.3, ge=0)
     """The adaptive coefficient's upper bound."""
-    kl_stop: float | None = Field(0.3, gt=0)
-    """KL early stop: when an optimizer batch's approx KL(old || current) exceeds this, its step is not applied
-    and the rest of the rollout batch's updates are skipped (as SB3's and OpenAI's PPO; GRPO: off-policy only)."""
+    kl_stop: float | None = Field(None, gt=0)
+    """KL early stop, off by default (PPO: 0.3): CS336 has no such stop; set e.g. 0.3 to pause updates when approx
+    KL(old || current) exceeds it: that optimizer batch's step and the rest of the rollout batch's are skipped, said
+    on stderr and counted as train/skipped_updates_kl_stop (as SB3's and OpenAI's PPO; GRPO: off-policy only)."""
     token_record_groups: int = Field(2, ge=0)
     """Sampled groups per step whose per-token figures go to tokens.jsonl for grpolab view (0: none, no cost)."""
 
