@@ -141,4 +141,4 @@ bench-async: setup
 	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BIN)/python benchmarks/async.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) .pytest_cache .hypothesis

@@ -14,6 +14,7 @@ import torch
 from ..envs import build_env
 from ..envs.vf import build_vf_env
 from ..models import set_logits_fp32
+from .config import ConfigError
 from .resources import choose_cpu_threads, choose_dtype, keep_freed_memory, model_shape
 
 
@@ -39,10 +40,25 @@ def autocast_for(dtype: str, device: torch.device | str):
     return contextlib.nullcontext
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, field: str = "device") -> torch.device:
+    """``auto``: cuda when available, else cpu; a named device must exist on this machine, else one
+    ``ConfigError`` naming ``field`` (a CPU-only torch asked for cuda, a GPU index past the last)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigError(f"{field}: {device!r}, but this torch ({torch.__version__}, {build}) sees no CUDA "
+                              f"device; set {field}: cpu (or auto), or install a CUDA build of torch")
+        if resolved.index is not None and resolved.index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(f"{field}: {device!r}, but this machine shows {count} CUDA device(s) "
+                              f"(cuda:0..cuda:{count - 1}; CUDA_VISIBLE_DEVICES={visible})")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{field}: {device!r}, but this torch has no MPS device; set {field}: cpu (or auto)")
+    return resolved
 
 
 def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
