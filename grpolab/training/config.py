@@ -11,6 +11,7 @@ field reads it as YAML."""
 
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
 import types
@@ -19,7 +20,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
@@ -195,7 +196,14 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
-def _format_validation_error(exc: ValidationError, source: str, typed: frozenset[str] = frozenset()) -> str:
+def did_you_mean(key: str, names) -> str:
+    """``; did you mean 'group_size'?`` for a misspelt ``key`` (difflib's closest of ``names``), or nothing."""
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _format_validation_error(exc: ValidationError, source: str, typed: frozenset[str] = frozenset(),
+                             fields=()) -> str:
     """One line for every refused key; a key in ``typed`` came from the command line and says so
     (the line starts with ``command line`` when every refused key did)."""
     errors = exc.errors()
@@ -207,7 +215,7 @@ def _format_validation_error(exc: ValidationError, source: str, typed: frozenset
         msg = err["msg"].removeprefix("Value error, ")
         where = " (command line)" if from_cli and source != "command line" else ""
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown key '{key}'")
+            parts.append(f"unknown key '{key}'{did_you_mean(key, fields)}")
         elif not key:  # a rule across fields: its message names them
             parts.append(msg)
         else:
@@ -269,20 +277,32 @@ class BaseConfig(BaseModel):
         try:
             return cls(**data)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, source, frozenset(typed))) from None
+            raise ConfigError(_format_validation_error(exc, source, frozenset(typed), cls.model_fields)) from None
 
     @classmethod
     def _override(cls, key: str, value: Any) -> Any:
         """An override's value for field ``key``: a bare flag is true for a boolean, a command-line
         value is read by the field's type (``field_value``), any other value is taken as it is."""
         if key not in cls.model_fields:
-            raise ConfigError(f"unknown key '{key}' (command line); valid keys: {', '.join(cls.model_fields)}")
+            hint = did_you_mean(key, cls.model_fields) or (
+                f"; `grpolab config {cls.command}` lists the keys" if hasattr(cls, "command") else "")
+            raise ConfigError(f"unknown key '{key}' (command line){hint}")
         annotation = cls.model_fields[key].annotation
         if value is BARE_FLAG:
             if bool not in _union_members(annotation):
                 raise ConfigError(f"--{key.replace('_', '-')} needs a value")
             return True
         return field_value(annotation, value) if isinstance(value, CommandLineValue) else value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _one_as_list(cls, value: Any, info: ValidationInfo) -> Any:
+        """A bare name for a list field is a list of one (``report_to: wandb``, ``--report-to wandb``)."""
+        if isinstance(value, str) and info.field_name in cls.model_fields:
+            kinds = _union_members(cls.model_fields[info.field_name].annotation)
+            if str not in kinds and any(get_origin(k) is list for k in kinds):
+                return [value]
+        return value
 
     @field_validator("*")
     @classmethod

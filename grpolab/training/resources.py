@@ -104,6 +104,21 @@ def check_rollout_memory(
         )
 
 
+def fit_default_max_tokens(cfg, limit: int | None, longest_prompt: int) -> None:
+    """A ``sampling_max_tokens`` left at its default (1024, CS336's) that the model's context cannot hold
+    after the longest prompt (the embedded tiny model's 512) is lowered to what fits, said on stderr:
+    the defaults run together. A value the config sets is kept (and checked as given)."""
+    if limit is None or "sampling_max_tokens" in cfg.model_fields_set or longest_prompt >= limit:
+        return
+    room = limit - longest_prompt
+    if cfg.sampling_max_tokens > room:
+        print(f"grpolab: sampling_max_tokens {cfg.sampling_max_tokens} (the default) does not fit the model's context "
+              f"of {limit} tokens after a {longest_prompt}-token prompt: {room} instead (set sampling_max_tokens "
+              "to choose)", file=sys.stderr)
+        cfg.sampling_min_tokens = min(cfg.sampling_min_tokens, room)
+        cfg.sampling_max_tokens = room
+
+
 def check_sampled_inputs(inputs, cfg, check_train: bool = True):
     """The ``Run`` hook of a trainer that samples: prompts fit the context (training and
     validation examples; too-long ones are an error, or skipped with ``data_on_error: skip``), the
@@ -120,9 +135,12 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
                             "(the prompt, the model's turns and the observations share it)")
         if check_train:  # a system prompt too long for any question is named, not data line 1 (SFT checks its own)
             check_system_prompt_fits(inputs.template, tokenizer, limit, cfg.sampling_max_tokens, "sampling_max_tokens")
-        for name in ("train", "evals") if check_train else ("evals",):
+        names = ("train", "evals") if check_train else ("evals",)
+        all_lengths = {name: prompt_lengths(getattr(inputs, name), inputs.template, tokenizer) for name in names}
+        fit_default_max_tokens(cfg, limit, max((n for ls in all_lengths.values() for n in ls), default=0))
+        for name in names:
             examples = getattr(inputs, name)
-            lengths = prompt_lengths(examples, inputs.template, tokenizer)  # tokenised once for both checks
+            lengths = all_lengths[name]  # tokenised once for both checks
             setattr(inputs, name, check_prompt_lengths(examples, inputs.template, tokenizer, model,
                                                        cfg.sampling_max_tokens, cfg.data_on_error, lengths))
             fitting = [n for n in lengths if limit is None or n + cfg.sampling_max_tokens <= limit]

@@ -52,7 +52,7 @@ def test_file_errors_name_the_file_and_the_key(tmp_path, text, message):
 def test_missing_file_and_unknown_override():
     with pytest.raises(ConfigError, match="no such config file"):
         RunConfig.build("/nonexistent/c.yaml")
-    with pytest.raises(ConfigError, match=r"unknown key 'sed' \(command line\); valid keys: model, task"):
+    with pytest.raises(ConfigError, match=r"unknown key 'sed' \(command line\); did you mean 'seed'\?"):
         RunConfig.build(None, {"sed": 1})
 
 
