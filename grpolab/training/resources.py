@@ -133,11 +133,11 @@ def check_sampled_inputs(inputs, cfg, check_train: bool = True):
         if limit is not None and env_tokens is not None and env_tokens >= limit:  # tools: prompt + turns must fit too
             raise DataError(f"env.max_total_tokens ({env_tokens}) must be below the model's context of {limit} tokens "
                             "(the prompt, the model's turns and the observations share it)")
-        if check_train:  # a system prompt too long for any question is named, not data line 1 (SFT checks its own)
-            check_system_prompt_fits(inputs.template, tokenizer, limit, cfg.sampling_max_tokens, "sampling_max_tokens")
         names = ("train", "evals") if check_train else ("evals",)
         all_lengths = {name: prompt_lengths(getattr(inputs, name), inputs.template, tokenizer) for name in names}
         fit_default_max_tokens(cfg, limit, max((n for ls in all_lengths.values() for n in ls), default=0))
+        if check_train:  # a system prompt too long for any question is named, not data line 1 (SFT checks its own)
+            check_system_prompt_fits(inputs.template, tokenizer, limit, cfg.sampling_max_tokens, "sampling_max_tokens")
         for name in names:
             examples = getattr(inputs, name)
             lengths = all_lengths[name]  # tokenised once for both checks
