@@ -3,7 +3,9 @@
 The model writes a turn in its own syntax until its end of turn; the turn's tool calls are parsed
 (``chat_tools.parse_tool_calls``), run, and their results appended as ``tool`` messages through
 the chat template, then the model continues — up to ``max_turns`` turns and ``max_total_tokens``
-tokens after the prompt. A turn without a call ends the rollout: it is the answer.
+tokens after the prompt. A turn without a call ends the rollout: it is the answer. A call the model
+could not read the result of (in the last allowed turn, or whose results leave no room to answer) is
+not run and gets no ``tool`` message, as verifiers ends a rollout before its ``env_response``.
 
 Exactness and masks are those of the tag format (``rollouts.py``): the trained ids are the
 sampled ids; the appended ids (``ChatRenderer.continuation``) are tokenised once and masked out
@@ -72,7 +74,8 @@ class ChatToolEnv:
             if callable(getattr(instance, "reset", None)):
                 instance.reset()
             functions.update({name: getattr(instance, name) for name in class_methods(cls)})
-        return FunctionTools(functions, self.tool_timeout_s)
+        schemas = {s["function"]["name"]: s["function"].get("parameters") for s in self.renderer.schemas}
+        return FunctionTools(functions, self.tool_timeout_s, schemas)
 
     def run(self, tools: FunctionTools, calls: Sequence[CallRequest]) -> list:
         if self._pool is None:
@@ -92,6 +95,17 @@ class ChatToolEnv:
                                                                 skip_special_tokens=True), tokenizer)
                 truncated = True
         return text, truncated
+
+
+def _observation(t: _ChatTrace, env: ChatToolEnv, tokenizer, sampled: str, content: str, calls, texts):
+    """The observation of ``calls`` with results ``texts`` as (text, ids, exact), or None when it
+    leaves no room to answer within ``max_total_tokens`` (the trace then ends with "length")."""
+    obs_text, exact = env.renderer.continuation(sampled, content, calls, texts)
+    obs_ids = tokenizer(obs_text, add_special_tokens=False)["input_ids"]
+    if len(t.trace.ids) + len(obs_ids) < env.max_total_tokens:
+        return obs_text, obs_ids, exact
+    t.trace.finish_reason = "length"
+    return None
 
 
 def _without_special_tokens(text: str, tokenizer) -> str:
@@ -147,24 +161,28 @@ def chat_rollouts(backend, env: ChatToolEnv, prompts: Sequence[str], n: int, sam
         live = []
         for i, out, content, calls in pending:
             t = traces[i]
+            # As verifiers' MultiTurnEnv (max_turns / token limit checked before env_response): a call the
+            # model can no longer read the result of is not run, and no tool message reaches the rubric.
+            if turn + 1 >= env.max_turns:
+                continue  # calls in the last turn are not run
+            sampled = tokenizer.decode(out.response_ids, skip_special_tokens=False)
+            if _observation(t, env, tokenizer, sampled, content, calls, [""] * len(calls)) is None:
+                continue  # not even empty results would fit: nothing is run
             results = env.run(t.tools, calls)
             t.trace.errors += sum(r.error is not None for r in results)
-            texts = []
-            for k, (call, result) in enumerate(zip(calls, results)):
-                text, cut = env.result(result, tokenizer)
-                t.trace.truncated += cut
+            texts, cut = [], 0
+            for result in results:
+                text, truncated = env.result(result, tokenizer)
+                cut += truncated
                 texts.append(text)
-                t.messages.append({"role": "tool", "tool_call_id": f"call_{turn}_{k}", "name": call.name or "error",
-                                   "content": text})
-            if turn + 1 >= env.max_turns:
-                continue  # calls in the last turn get no observation
-            sampled = tokenizer.decode(out.response_ids, skip_special_tokens=False)
-            obs_text, exact = env.renderer.continuation(sampled, content, calls, texts)
+            observation = _observation(t, env, tokenizer, sampled, content, calls, texts)
+            if observation is None:
+                continue  # the results do not fit: the model never reads them
+            obs_text, obs_ids, exact = observation
+            t.trace.truncated += cut
             t.mismatches += not exact
-            obs_ids = tokenizer(obs_text, add_special_tokens=False)["input_ids"]
-            if len(t.trace.ids) + len(obs_ids) >= env.max_total_tokens:
-                t.trace.finish_reason = "length"  # no room left to read the results and answer
-                continue
+            t.messages.extend({"role": "tool", "tool_call_id": f"call_{turn}_{k}", "name": call.name or "error",
+                               "content": text} for k, (call, text) in enumerate(zip(calls, texts)))
             t.trace.add_observation(obs_text, obs_ids)
             live.append(i)
         if not live:
