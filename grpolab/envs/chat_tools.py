@@ -23,10 +23,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import inspect
 import json
-import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,6 @@ HERMES_TEMPLATE = (  # transformers renders with trim_blocks: a newline right af
 )
 CHAT_TEMPLATES = {"hermes": HERMES_TEMPLATE}
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _SENTINEL = "\u2063grpolab-turn\u2063"
 
 
@@ -69,6 +67,14 @@ def function_schema(fn: Callable, name: str | None = None) -> dict:
     from transformers.utils import get_json_schema
 
     label = name or getattr(fn, "__name__", repr(fn))
+    try:
+        variadic = [p.name for p in inspect.signature(fn).parameters.values()
+                    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        variadic = []
+    if variadic:  # F09: a schema can only name arguments; *args/**kwargs would be described as one named argument
+        raise ValueError(f"tool {label!r}: *{variadic[0]} cannot be described as named JSON arguments; give the "
+                         "function one named, type-hinted argument per value (a list or a dict for many)")
     try:
         schema = get_json_schema(fn)
     except Exception as exc:  # noqa: BLE001 - transformers' parsing errors have several types
@@ -104,20 +110,54 @@ class CallRequest:
         return {"type": "function", "function": {"name": self.name or "", "arguments": self.arguments}}
 
 
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
+# what the JSON decoder raises on input a model can write: a malformed document, nesting past the
+# recursion limit (1000 brackets), an integer past Python's 4300-digit conversion limit (ValueError)
+_BAD_JSON = (ValueError, RecursionError)
+
+
+def _loads(text: str) -> tuple[Any, str | None]:
+    """(the JSON value of ``text``, None) or (None, why it is not JSON): never raises."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at character {exc.pos}"
+    except RecursionError:
+        return None, "nested too deep"
+    except ValueError as exc:  # an integer of more than 4300 digits
+        return None, " ".join(str(exc).split())[:120]
+
+
+def _decoded_block(text: str, start: int) -> tuple[Any, int] | None:
+    """The JSON value right after ``<tool_call>`` at ``start`` and the index past its ``</tool_call>``,
+    when the block is one JSON value: a ``</tool_call>`` inside a JSON string is part of the value."""
+    i = len(text) - len(text[start:].lstrip())
+    try:
+        obj, end = _DECODER.raw_decode(text, i)
+    except _BAD_JSON:
+        return None
+    j = len(text) - len(text[end:].lstrip())
+    return (obj, j + len(_CLOSE)) if text.startswith(_CLOSE, j) else None
+
+
 def _parse_hermes(text: str) -> tuple[str, list[CallRequest]]:
-    calls = []
-    for match in _TOOL_CALL_RE.finditer(text):
-        body = match.group(1).strip()
-        if not match.group(0).endswith("</tool_call>"):
+    calls, pos = [], 0
+    while (open_at := text.find(_OPEN, pos)) >= 0:
+        body_at = open_at + len(_OPEN)
+        decoded = _decoded_block(text, body_at)
+        if decoded is not None:
+            calls.append(_call_from(decoded[0]))
+            pos = decoded[1]
+            continue
+        close_at = text.find(_CLOSE, body_at)
+        if close_at < 0:
             calls.append(CallRequest(None, {}, "unclosed <tool_call>"))
-            continue
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            calls.append(CallRequest(None, {}, f"tool call is not JSON ({exc.msg} at character {exc.pos})"))
-            continue
-        calls.append(_call_from(obj))
-    start = text.find("<tool_call>")
+            break
+        _, problem = _loads(text[body_at:close_at].strip())
+        calls.append(CallRequest(None, {}, f"tool call is not JSON ({problem or 'more than one JSON value'})"))
+        pos = close_at + len(_CLOSE)
+    start = text.find(_OPEN)
     return (text if start < 0 else text[:start]).strip(), calls
 
 
@@ -126,10 +166,7 @@ def _call_from(obj: Any) -> CallRequest:
         return CallRequest(None, {}, 'a tool call must be {"name": ..., "arguments": {...}}')
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return CallRequest(obj["name"], {}, "the call's arguments are not a JSON object")
+        arguments, _ = _loads(arguments)
     if not isinstance(arguments, dict):
         return CallRequest(obj["name"], {}, "the call's arguments are not a JSON object")
     return CallRequest(obj["name"], arguments)
@@ -149,32 +186,105 @@ def parse_tool_calls(text: str, tokenizer=None, schemas: Sequence[dict] = ()) ->
 
 
 class FunctionTools:
-    """The tools of one rollout: name -> (schema, callable); class tools are bound to this rollout's instance."""
+    """The tools of one rollout: name -> callable (class tools bound to this rollout's instance), and
+    name -> the JSON schema of its parameters (``schemas``: a call's arguments are checked against it)."""
 
-    def __init__(self, functions: dict[str, Callable], timeout_s: float):
-        self.functions, self.timeout_s = functions, timeout_s
+    def __init__(self, functions: dict[str, Callable], timeout_s: float, schemas: dict[str, dict] | None = None):
+        self.functions, self.timeout_s, self.schemas = functions, timeout_s, dict(schemas or {})
 
-    def run(self, calls: Sequence[CallRequest], pool: cf.ThreadPoolExecutor, process_tools: dict) -> list[ToolOutput]:
+    def run(self, calls: Sequence[CallRequest], pool: Any, process_tools: dict) -> list[ToolOutput]:
+        """One output per call; ``pool`` is unused (each Python call runs in a daemon thread of its own)."""
         outputs: list[ToolOutput] = []
         for call in calls:
-            if call.problem is not None:
-                outputs.append(ToolOutput("", call.problem))
+            problem = call.problem or argument_problem(call.arguments, self.schemas.get(call.name or ""))
+            if problem is not None:
+                outputs.append(ToolOutput("", problem))
             elif call.name in process_tools:
                 outputs.append(process_tools[call.name].run([call.arguments])[0])
             elif call.name not in self.functions:
                 outputs.append(ToolOutput("", f"unknown tool {call.name!r}"))
             else:
-                outputs.append(_run_in_thread(pool, self.functions[call.name], call.arguments, self.timeout_s))
+                outputs.append(_run_in_thread(self.functions[call.name], call.arguments, self.timeout_s))
         return outputs
 
 
-def _run_in_thread(pool: cf.ThreadPoolExecutor, fn: Callable, arguments: dict, timeout_s: float) -> ToolOutput:
-    future = pool.submit(fn, **arguments)
-    try:
-        return ToolOutput(result_text(future.result(timeout=timeout_s)))
-    except cf.TimeoutError:
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+               "object": (dict,), "null": (type(None),)}
+
+
+def _type_problem(value: Any, schema: Any, where: str) -> str | None:
+    """Why ``value`` does not fit the JSON schema ``schema`` (its ``type``, ``enum``, ``items``,
+    ``anyOf``/``oneOf``, ``properties``), or None; what a type hint's schema says, not all of JSON Schema."""
+    if not isinstance(schema, dict):
+        return None
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if alternatives and all(_type_problem(value, alt, where) for alt in alternatives):
+        return f"{where} is {_json_name(value)}, which fits none of its types"
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    known = [t for t in types if t in _JSON_TYPES]
+    if known and not any(isinstance(value, _JSON_TYPES[t]) and not (isinstance(value, bool) and t != "boolean")
+                         for t in known):
+        return f"{where} must be {' or '.join(known)}, got {_json_name(value)}"
+    if "enum" in schema and isinstance(schema["enum"], list) and value not in schema["enum"]:
+        return f"{where} must be one of {', '.join(json.dumps(v) for v in schema['enum'])}, got {json.dumps(value)}"
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = _type_problem(item, schema.get("items"), f"{where}[{i}]")
+            if problem:
+                return problem
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                problem = _type_problem(value[key], sub, f"{where}.{key}")
+                if problem:
+                    return problem
+    return None
+
+
+def _json_name(value: Any) -> str:
+    for name, kinds in _JSON_TYPES.items():
+        if isinstance(value, kinds) and not (isinstance(value, bool) and name != "boolean"):
+            return f"{name} {json.dumps(value, default=str)[:40]}"
+    return type(value).__name__
+
+
+def argument_problem(arguments: dict, parameters: dict | None) -> str | None:
+    """F04: why a call's ``arguments`` do not fit its schema's ``parameters`` (an argument of the
+    wrong JSON type, or outside its ``enum``), as the one-line error the model reads; None when they
+    fit or there is no schema. Missing and extra arguments are left to the call's own TypeError."""
+    if not isinstance(parameters, dict):
+        return None
+    for name, schema in (parameters.get("properties") or {}).items():
+        if name in arguments:
+            problem = _type_problem(arguments[name], schema, f"argument {name!r}")
+            if problem:
+                return f"TypeError: {problem} (the tool's schema)"
+    return None
+
+
+def _run_in_thread(fn: Callable, arguments: dict, timeout_s: float) -> ToolOutput:
+    """``fn(**arguments)`` in a daemon thread of its own: a call past ``timeout_s`` is abandoned there
+    and can neither keep a finished run from exiting (F02) nor hold a pool slot from later calls."""
+    done, box = threading.Event(), {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(**arguments)
+        except BaseException as exc:  # noqa: BLE001 - any tool failure (SystemExit too) is an observation
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="grpolab-tool", daemon=True).start()
+    if not done.wait(timeout_s):
         return ToolOutput("", f"timed out after {timeout_s}s")
-    except Exception as exc:  # noqa: BLE001 - any tool failure is an observation
+    if "error" in box:
+        exc = box["error"]
+        return ToolOutput("", f"{type(exc).__name__}: {exc}")
+    try:
+        return ToolOutput(result_text(box["value"]))
+    except Exception as exc:  # noqa: BLE001 - a result json cannot write
         return ToolOutput("", f"{type(exc).__name__}: {exc}")
 
 
