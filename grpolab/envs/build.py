@@ -84,7 +84,7 @@ class EnvSettings(BaseModel):
     Qwen2.5), for a chat model whose own template renders no tools."""
     verifiers: str | None = None
     """A ``verifiers`` environment (an installed name, or a module or ``.py`` file with ``load_environment``): its
-    dataset is the task, its rubric the reward, its tools the tools (``pip install 'grpolab[envs]'``)."""
+    dataset is the task, its rubric the reward, its tools the tools (``pip install -e '.[envs]'``)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """``verifiers`` only: keyword arguments of the environment's ``load_environment(**args)``."""
     rollout_timeout_s: float = Field(120.0, gt=0)

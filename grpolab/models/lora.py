@@ -23,7 +23,7 @@ def require_peft():
     try:
         import peft
     except ImportError:  # pragma: no cover - the message is the point
-        raise ImportError("lora_r > 0 needs peft: pip install 'grpolab[scale]' (or pip install peft)") from None
+        raise ImportError("lora_r > 0 needs peft: pip install -e '.[scale]' (or pip install peft)") from None
     return peft
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from .normalize import hedge_words
 from .verifiers import extract_r1_zero_answer, reward_dict, stated_answer
 
-EXTRA_HINT = "pip install 'grpolab[gym]' (or: pip install reasoning-gym==0.1.25)"
+EXTRA_HINT = "pip install -e '.[gym]' (or: pip install reasoning-gym==0.1.25)"
 
 
 def require_reasoning_gym():

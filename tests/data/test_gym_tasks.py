@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip install 'grpolab[gym]')")
+pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip install -e '.[gym]')")
 
 from grpolab.data import get_task  # noqa: E402
 from grpolab.rewards import RewardScorer  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verifiers", reason="verifiers is not installed (pip install 'grpolab[envs]')")
+pytest.importorskip("verifiers", reason="verifiers is not installed (pip install -e '.[envs]')")
 
 import verifiers as vf  # noqa: E402
 from verifiers.types import Response, ResponseMessage  # noqa: E402

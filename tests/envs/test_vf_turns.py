@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install 'grpolab[envs]')")
+pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install -e '.[envs]')")
 
 from grpolab.algorithms.grpo import GRPOConfig, train_grpo  # noqa: E402
 from grpolab.core import build_sequences  # noqa: E402

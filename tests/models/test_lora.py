@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="peft is not installed (pip install 'grpolab[scale]')")
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[scale]')")
 
 from grpolab.models import load_model_and_tokenizer  # noqa: E402
 from grpolab.models.fused_head import response_log_probs  # noqa: E402
@@ -98,7 +98,7 @@ def test_lora_grpo_learns_a_trivially_learnable_reward(grpo_config):
 
 
 def test_lora_on_a_tied_output_head_is_refused_in_one_line(tiny_model):
-    pytest.importorskip("peft", reason="peft is not installed: pip install 'grpolab[scale]'")
+    pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[scale]'")
     from grpolab.models.lora import apply_lora
 
     model, _ = tiny_model()

@@ -22,7 +22,7 @@ def has_deepspeed() -> bool:
 def need(strategy: str) -> None:
     """Skip, in one line, a check whose engine is not installed."""
     if strategy == "deepspeed" and not has_deepspeed():
-        pytest.skip("deepspeed is not installed (pip install 'grpolab[scale]')")
+        pytest.skip("deepspeed is not installed (pip install -e '.[scale]')")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ def tool_model_dir(tmp_path_factory):
 
 
 def test_tool_env_with_lora_on_two_fsdp2_ranks(tmp_path, tool_model_dir):
-    pytest.importorskip("peft", reason="peft is not installed (pip install 'grpolab[scale]')")
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[scale]')")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in tool_questions()))
     run_dir = tmp_path / "run"
     cfg = dict(model=str(tool_model_dir), train_data=str(tmp_path / "train.jsonl"), prompt_template="compact", env=ENV,

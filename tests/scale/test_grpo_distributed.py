@@ -62,9 +62,9 @@ CASES = {"ddp": [], "fsdp2+lora": LORA, "deepspeed": ["--deepspeed-config", "con
 def test_three_grpo_steps_end_in_a_loadable_model(tmp_path, case):
     strategy = case.split("+")[0]
     if strategy == "deepspeed":
-        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'grpolab[scale]')")
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[scale]')")
     if "lora" in case:
-        pytest.importorskip("peft", reason="peft is not installed (pip install 'grpolab[scale]')")
+        pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[scale]')")
     run_dir = tmp_path / strategy
     torchrun([*RUN, "--distributed", strategy, "--run-dir", str(run_dir), "--checkpoint-every", "3", *CASES[case]])
     from transformers import AutoModelForCausalLM
@@ -103,7 +103,7 @@ def test_sigkill_and_resume_with_two_ranks_gives_identical_weights(tmp_path, str
     """The sharded optimizer state is read back without unpickling code (DCP metadata through an
     allow-list, DeepSpeed files with weights_only=True) and the resumed run ends bit-identical."""
     if strategy == "deepspeed":
-        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'grpolab[scale]')")
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[scale]')")
     extra = ["--deepspeed-config", "configs/deepspeed_zero3.json"] if strategy == "deepspeed" else []
     args = [*RUN, "--distributed", strategy, *extra, "--checkpoint-every", "1", "--learning-rate", "0.003"]
     torchrun([*args, "--run-dir", str(tmp_path / "whole")])

@@ -69,7 +69,7 @@ def fsdp2_run(tmp_path_factory):
 @pytest.mark.parametrize("strategy", list(STRATEGY))
 def test_two_ranks_with_an_engine_each_sample_the_trainers_distribution_after_every_sync(strategy, tmp_path, request):
     if strategy == "deepspeed":
-        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'grpolab[scale]')")
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[scale]')")
     if strategy == "fsdp2":
         run_dir = request.getfixturevalue("fsdp2_run")
     else:
