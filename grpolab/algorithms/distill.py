@@ -44,7 +44,7 @@ from ..core import (
     pad_token_id,
 )
 from ..envs import EnvBackend
-from ..models import load_model_and_tokenizer
+from ..models import load_model_and_tokenizer, set_logits_fp32
 from ..models.fused_head import response_divergence, response_log_probs
 from ..models.loading import EMBEDDED_PREFIX, ModelLoadError
 from ..rewards import RewardScorer
@@ -84,7 +84,8 @@ class DistillConfig(PolicyUpdateConfig):
     """The teacher: any model that loads in grpolab (a Hugging Face directory, a LoRA final/, embedded:NAME), with the
     student's tokenizer and vocabulary (checked)."""
     teacher_dtype: Literal["float32", "bfloat16"] | None = None
-    """The teacher's weights' dtype (it only runs forwards); null: the run's dtype."""
+    """The teacher's weights' dtype. null: float32 as the student's (dtype bfloat16 autocasts both alike, logits_fp32
+    puts both heads in fp32: teacher = student gives 0 advantage); bfloat16: half the memory, with bf16 rounding."""
     divergence: str | None = None
     """null: each sampled token's reverse KL as a negative advantage (Thinking Machines); a name in core's
     divergence registry (forward_kl, reverse_kl, generalized_jsd): GKD's full-vocabulary loss at sampled positions."""
@@ -132,14 +133,19 @@ class DistillConfig(PolicyUpdateConfig):
 
 def load_teacher(cfg: DistillConfig, student, tokenizer, device):
     """The frozen teacher, checked against the student: the same vocabulary (the tokens are the
-    student's ids) and not the student itself (a warning: the KL would be 0 and nothing learned)."""
+    student's ids) and not the student itself (a warning: the KL would be 0 and nothing learned).
+    Scored as the student is: fp32 weights unless ``teacher_dtype: bfloat16``, the run's autocast,
+    and an fp32 head when the run has ``logits_fp32``."""
     path = cfg.teacher
     if not path.startswith(EMBEDDED_PREFIX):
         path = str(Path(path).expanduser())
         if not Path(path).exists():
             raise ModelLoadError(f"teacher {cfg.teacher}: no such model directory")
-    teacher, teacher_tokenizer = load_model_and_tokenizer(path, dtype=cfg.teacher_dtype or cfg.dtype, device=device,
+    # the student's precision: fp32 weights (dtype bfloat16 is autocast over them) and the same head (C5-1)
+    teacher, teacher_tokenizer = load_model_and_tokenizer(path, dtype=cfg.teacher_dtype or "float32", device=device,
                                                           seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    if getattr(cfg, "logits_fp32", False):
+        set_logits_fp32(teacher)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"teacher {cfg.teacher}: its tokenizer differs from the student's ({len(teacher_tokenizer)} "
                          f"vs {len(tokenizer)} tokens): on-policy distillation scores the student's own token ids")

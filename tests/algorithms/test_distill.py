@@ -139,6 +139,30 @@ def test_a_teacher_that_is_the_student_warns_and_moves_nothing(tmp_path, tiny_mo
     assert all(float(d.abs().max()) == 0 for d in applied_update(run, teacher, batch, cfg))
 
 
+def test_c5_1_teacher_equal_to_student_gives_exactly_zero_advantage_under_bf16_and_fp32_logits(tmp_path, tiny_model,
+                                                                                                  open_run):
+    """C5-1: under dtype bfloat16 (autocast over fp32 weights) with logits_fp32, the teacher is scored as the
+    student is (fp32 weights, fp32 head), so teacher = student gives exactly 0 per-token advantage; a head scaled
+    x5 makes logits large enough for a bf16 teacher's rounding to show (it did: mean |advantage| 3.9e-4)."""
+    model, tok = tiny_model()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(5)
+    save_model_and_tokenizer(model, tok, tmp_path / "same")
+    cfg = config(tmp_path, model=str(tmp_path / "same"), teacher=str(tmp_path / "same"), dtype="bfloat16",
+                 logits_fp32=True)
+    run = open_run(cfg)
+    with pytest.warns(UserWarning, match="has the student's weights"):
+        teacher = load_teacher(cfg, run.sampling_model, tok, run.device)
+    rollouts, rewards = sampled_batch(run.model, tok)
+    batch = make_rollout_batch(rollouts, rewards, torch.zeros(len(rollouts)), pad_token_id(tok))
+    batch.ref_log_probs = teacher_log_probs(teacher, batch, cfg, run.device, run.autocast, 0)
+    out = distill_update(run, teacher, batch, cfg, torch.optim.SGD(run.model.parameters(), lr=0.0), None)
+    mask = batch.response_mask
+    assert mask.sum() > 0
+    gap = float(((out["teacher_lp"] - out["student_lp"]) * mask).abs().sum() / mask.sum())
+    assert gap == 0.0, f"mean |advantage| {gap} with the teacher's weights in {next(teacher.parameters()).dtype}"
+
+
 def test_another_teacher_does_not_warn(tmp_path, tiny_model, open_run):
     model, tok = tiny_model()
     cfg = config(tmp_path)
