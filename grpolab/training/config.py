@@ -358,7 +358,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 # how it is watched. Everything else is the run's own config, and changing it on resume would
 # silently continue a different run.
 RESUME_MAY_CHANGE = (
-    "eval_every", "eval_examples", "checkpoint_every", "keep_last", "report_to", "show_progress",
+    "eval_every", "eval_examples", "checkpoint_every", "keep_last", "report_to", "tracker_project", "tracker_entity",
+    "tracker_run_name", "show_progress",
     "log_generations_samples", "run_dir", "device", "token_record_groups", "threads", "keep_freed_memory",
 )
 

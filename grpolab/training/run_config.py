@@ -134,8 +134,15 @@ class RunConfig(BaseConfig):
     final model is always saved)."""
     keep_last: int = Field(2, ge=1)
     """How many of the newest checkpoints are kept."""
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    """Also send the metrics to TensorBoard and/or Weights & Biases, where installed (metrics.jsonl always)."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
+    """Also send the metrics to TensorBoard, Weights & Biases and/or trackio (the track extra; metrics.jsonl always):
+    train/* against train_step, eval/* against eval_step. One name is a list of one (--report-to wandb)."""
+    tracker_project: str | None = None
+    """W&B / trackio project; null: WANDB_PROJECT, else grpolab."""
+    tracker_entity: str | None = None
+    """W&B entity (team or user); null: WANDB_ENTITY, else the account's default."""
+    tracker_run_name: str | None = None
+    """W&B / trackio run name; null: WANDB_NAME, else the run directory's name."""
     # --- Scale: torchrun (DDP, FSDP2, ZeRO), LoRA
     distributed: Literal["none", "ddp", "fsdp2", "deepspeed"] = "none"
     """Under torchrun, each process is one rank of a data-parallel run: ddp, fsdp2 (sharded) or deepspeed

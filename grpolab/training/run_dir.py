@@ -29,6 +29,7 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 PLOT_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"  # written by metric_logging.MetricsLogger
+WANDB_ID_FILE = "wandb_run_id"  # the W&B run a resumed run continues (metric_logging.MetricsLogger)
 VIEW_FILE = "view.html"  # written by grpolab view
 LOCK_FILE = ".lock"
 
@@ -61,7 +62,8 @@ def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
 
 def clear_run_dir(path: Path) -> None:
     """``overwrite``: remove a previous run's files (only the ones a run writes)."""
-    for name in (*RUN_FILES, SAMPLES_DIR, TENSORBOARD_DIR, PLOT_FILE, CONFIG_FILE, RECORDS_FILE, VIEW_FILE):
+    for name in (*RUN_FILES, SAMPLES_DIR, TENSORBOARD_DIR, WANDB_ID_FILE, PLOT_FILE, CONFIG_FILE, RECORDS_FILE,
+                 VIEW_FILE):
         p = path / name
         if p.is_dir():
             shutil.rmtree(p)
