@@ -118,10 +118,17 @@ class GRPOConfig(PolicyUpdateConfig):
     """Sampler/trainer correction: tis caps the weight pi_trainer/pi_sampler at the cap, mis drops tokens (or
     sequences) whose ratio leaves [1/cap, cap]. Null: tis with rollout_backend vllm or vllm_server or with
     max_staleness >= 1, none otherwise."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """The correction's unit: each token's ratio, or each response's."""
+    importance_sampling_level: Literal["token", "sequence", "sequence_product"] = "token"
+    """The correction's unit: each token's ratio; sequence: each response's, the geometric mean of its token ratios
+    (GSPO's, veRL's geometric: length-invariant); sequence_product: their product (shrinks with length)."""
     importance_sampling_cap: float = Field(2.0, gt=1)
     """The correction's cap on the ratio (tis: the most weight; mis: the band [1/cap, cap])."""
+    importance_sampling_mask_low: float | None = Field(None, gt=0, le=1)
+    """IcePop (Ling team 2025): tokens whose ratio pi_trainer/pi_sampler is below this get weight 0, out of the
+    gradient, at any level (IcePop: 0.5); null: no lower bound. Turns the correction on (tis) when it is null."""
+    importance_sampling_mask_high: float | None = Field(None, ge=1)
+    """IcePop: tokens whose ratio pi_trainer/pi_sampler is above this get weight 0 (IcePop: 2.0); null: no upper
+    bound. Turns the correction on (tis) when it is null."""
     max_rollout_samples: int | None = Field(None, ge=1)
     """Stop once this many responses were sampled, dynamic-sampling rounds included (equal budgets across
     variants); null: no limit."""
@@ -188,6 +195,9 @@ class GRPOConfig(PolicyUpdateConfig):
                 raise ValueError("max_staleness >= 1 samples with older weights than it trains: "
                                  "importance_sampling_correction 'none' would weigh every token as if on-policy; "
                                  "use tis or mis (null: tis)")
+        if self.is_band is not None and self.importance_sampling_correction == "none":
+            raise ValueError("importance_sampling_mask_low/high mask tokens by their sampler/trainer ratio: they need "
+                             "importance_sampling_correction tis or mis (null: tis), not 'none'")
         if self.loss_type == "grpo_clip" and not self.off_policy:
             warnings.warn(
                 "loss_type 'grpo_clip' on-policy (one epoch, train_batch_size == rollout_batch_size): the ratio is "
@@ -205,7 +215,13 @@ class GRPOConfig(PolicyUpdateConfig):
         if self.importance_sampling_correction is not None:
             return self.importance_sampling_correction
         own_weights = self.rollout_backend in ("vllm", "vllm_server") or self.max_staleness > 0
-        return "tis" if own_weights else "none"
+        return "tis" if own_weights or self.is_band is not None else "none"
+
+    @property
+    def is_band(self) -> tuple[float | None, float | None] | None:
+        """IcePop's token band (importance_sampling_mask_low, _high), or None when neither is set."""
+        band = (self.importance_sampling_mask_low, self.importance_sampling_mask_high)
+        return None if band == (None, None) else band
 
     def loss_options(self) -> dict:
         """The selected loss's extra keywords (core's registered losses ignore the others)."""

@@ -210,7 +210,8 @@ def old_and_reference_log_probs(run: Run, batch: RolloutBatch, cfg: GRPOConfig, 
     mask = batch.response_mask if needed is None else batch.response_mask & needed.unsqueeze(1)
     batch.is_weights, stats = importance_sampling_weights(
         batch.old_log_probs, batch.sampler_log_probs, mask, mode=cfg.is_correction,
-        level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap)
+        level=cfg.importance_sampling_level, cap=cfg.importance_sampling_cap,
+        mask_low=cfg.importance_sampling_mask_low, mask_high=cfg.importance_sampling_mask_high)
     if not cfg.off_policy:
         batch.old_log_probs = None  # on-policy: the ratio is computed against the current forward
     if not distributed.all_reduce(int(mask.any()), "max"):
