@@ -20,6 +20,7 @@ from ..core import grpo_microbatch_train_step, importance_sampling_weights, kl_k
 from ..models.fused_head import response_log_probs
 from ..models.shared_prefix import (
     label_to_response_layout,
+    prompt_key,
     response_to_label_layout,
     shared_prefix_rows,
     supports_shared_prefix,
@@ -71,7 +72,7 @@ def forward_tokens(sequences, rows: list[int], shared: bool) -> int:
     prompt and response, or with ``shared`` each distinct prompt once (the speed benchmark's FLOPs)."""
     responses = sum(len(sequences[r][1]) for r in rows)
     if shared:
-        return responses + sum(len(p) for p in {sequences[r][2]: sequences[r][0] for r in rows}.values())
+        return responses + sum(len(sequences[r][0]) for r in {prompt_key(sequences[r]): r for r in rows}.values())
     return responses + sum(len(sequences[r][0]) for r in rows)
 
 
@@ -82,7 +83,7 @@ def pass_tokens(sequences, passes: list[list[int]], shared: bool) -> int:
     total = 0
     for rows in passes:
         if shared:
-            prompts = {sequences[r][2]: len(sequences[r][0]) for r in rows}
+            prompts = {prompt_key(sequences[r]): len(sequences[r][0]) for r in rows}
             total += len(prompts) * max(prompts.values()) + len(rows) * max(len(sequences[r][1]) for r in rows)
         else:
             total += len(rows) * max(len(sequences[r][0]) + len(sequences[r][1]) for r in rows)

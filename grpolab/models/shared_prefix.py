@@ -125,20 +125,27 @@ def response_to_label_layout(values: torch.Tensor, prompt_lengths: list[int], re
     return out
 
 
+def prompt_key(sequence: tuple[list[int], list[int], int]) -> tuple:
+    """What makes a rollout batch row's prompt one the shared-prompt forward runs once: its prompt
+    index *and* its ids (rows of one group may open differently: C5-3)."""
+    return sequence[2], tuple(sequence[0])
+
+
 def shared_prefix_rows(model, sequences: list[tuple[list[int], list[int], int]], rows: list[int], pad_id: int,
                        device, *, temperature: float = 1.0, return_token_entropy: bool = False,
                        chunk_tokens: int | None = None) -> dict:
     """``shared_prefix_response_log_probs`` for ``rows`` of a rollout batch whose ``sequences[r]``
-    is (prompt ids, response ids, prompt index): each distinct prompt index is run once. Adds the
-    rows' ``prompt_lengths`` and ``response_lengths`` for re-laying per-token tensors."""
-    distinct: dict[int, int] = {}
+    is (prompt ids, response ids, prompt index): each distinct prompt (``prompt_key``: its index and
+    its ids; a verifiers env whose ``setup_state`` varies the opening gives one group several) is
+    run once. Adds the rows' ``prompt_lengths`` and ``response_lengths`` for re-laying per-token tensors."""
+    distinct: dict[tuple, int] = {}
     prompts, prompt_of_row = [], []
     for r in rows:
-        p_ids, _, p_index = sequences[r]
-        if p_index not in distinct:
-            distinct[p_index] = len(prompts)
+        p_ids, key = sequences[r][0], prompt_key(sequences[r])
+        if key not in distinct:
+            distinct[key] = len(prompts)
             prompts.append(p_ids)
-        prompt_of_row.append(distinct[p_index])
+        prompt_of_row.append(distinct[key])
     out = shared_prefix_response_log_probs(model, prompts, [sequences[r][1] for r in rows], prompt_of_row, pad_id,
                                            device, return_token_entropy, temperature=temperature,
                                            chunk_tokens=chunk_tokens)
