@@ -96,6 +96,42 @@ def import_callable(spec: str, what: str):
     return fn
 
 
+CONTEXT_KEYWORDS = ("prompt", "question", "messages")  # what a reward may read besides (response, ground_truth)
+CONTEXT_MARK = "__grpolab_context__"  # a response handed over as {mark, "response", <what the reward reads>}
+
+
+def reward_reads(reward: Any) -> tuple[str, ...]:
+    """The context a reward declares as parameters, of ``CONTEXT_KEYWORDS`` (``def fn(response,
+    ground_truth, prompt)``: the prompt text the response continues; ``question``: the example's
+    question, text or a conversation; ``messages``: a tool rollout's conversation, else the question's
+    messages). A weighted sum reads what any of its components reads."""
+    if isinstance(reward, WeightedReward):
+        return tuple(k for k in CONTEXT_KEYWORDS if any(k in reward_reads(fn) for fn in reward._fns))
+    import inspect
+
+    try:
+        params = inspect.signature(reward).parameters
+    except (TypeError, ValueError):
+        return ()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(k for k in CONTEXT_KEYWORDS if k in params and params[k].kind in keyword)
+
+
+def with_context(response: str, prompt: Any = None, question: Any = None, messages: Any = None) -> dict:
+    """A response with the context a ``reward_reads`` reward gets (plain data a worker can be sent)."""
+    if messages is None and question is not None:
+        messages = question if isinstance(question, list) else [{"role": "user", "content": str(question)}]
+    return {CONTEXT_MARK: True, "response": response, "prompt": prompt, "question": question, "messages": messages}
+
+
+def call_reward(fn: Callable, response: Any, ground_truth: Any) -> Any:
+    """``fn(response, ground_truth)``, with the context ``fn`` declares when ``response`` carries it
+    (``with_context``); a reward that declares none gets the text alone."""
+    if isinstance(response, dict) and response.get(CONTEXT_MARK) and not isinstance(fn, WeightedReward):
+        return fn(response["response"], ground_truth, **{k: response[k] for k in reward_reads(fn)})
+    return fn(response, ground_truth)
+
+
 @dataclass
 class RewardComponent:
     """One term of a weighted reward: ``weight * fn(response, gt)[key]``."""
@@ -133,7 +169,7 @@ class WeightedReward:
         for name, comp, fn in zip(self.names, self.components, self._fns):
             key = id(fn)
             if key not in cache:
-                cache[key] = fn(response, ground_truth)
+                cache[key] = call_reward(fn, response, ground_truth)
             scores = cache[key]
             value = float(scores[comp.key])
             out[name] = value
@@ -243,6 +279,10 @@ def has_reward_model(reward: Any) -> bool:
 def build_reward(spec: Any) -> RewardFn:
     """A reward from config: a name/path string, a list of component dicts (weighted sum), or with
     reward models (``{model: PATH}``) a ``ModelReward`` (scored by ``RewardScorer`` with the prompts)."""
+    if isinstance(spec, dict) and set(spec) == {"vf_rubric"}:  # VfRubric.worker_spec: the configured environment
+        from .vf_rubric import VfRubric
+
+        return VfRubric(**spec["vf_rubric"])
     if not callable(spec):
         spec = check_reward_spec(spec)
     if has_reward_model(spec):
@@ -265,6 +305,9 @@ def reward_spec(reward: Any) -> str | list[dict] | None:
     """
     if isinstance(reward, str):
         return reward
+    own = getattr(reward, "worker_spec", None)  # a reward bound to configuration (VfRubric) names itself
+    if isinstance(own, dict):
+        return own
     if isinstance(reward, WeightedReward):
         parts = []
         for comp in reward.components:

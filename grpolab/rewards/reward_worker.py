@@ -99,10 +99,10 @@ def serve(load) -> None:  # pragma: no cover - runs in the child process
 
 
 def _load_reward(spec):
-    from grpolab.rewards.registry import build_reward, check_reward_output
+    from grpolab.rewards.registry import build_reward, call_reward, check_reward_output
 
     reward_fn = build_reward(spec)
-    return lambda response, ground_truth: check_reward_output(reward_fn(response, ground_truth))
+    return lambda response, ground_truth: check_reward_output(call_reward(reward_fn, response, ground_truth))
 
 
 def main() -> None:  # pragma: no cover - runs in the child process

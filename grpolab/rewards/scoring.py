@@ -31,7 +31,15 @@ import warnings
 from typing import Any, Sequence
 
 from .isolation import child_sys_path
-from .registry import build_reward, check_reward_output, is_builtin_reward, reward_spec
+from .registry import (
+    build_reward,
+    call_reward,
+    check_reward_output,
+    is_builtin_reward,
+    reward_reads,
+    reward_spec,
+    with_context,
+)
 from .reward_model import ModelReward
 from .supervisor import DEFAULT_MEMORY_LIMIT_MB, UnsendableInputs, WorkerPool, WorkerStartError
 
@@ -111,7 +119,7 @@ class RewardScorer:
 
     def _call(self, response: str, ground_truth: Any) -> dict[str, float]:
         try:
-            return check_reward_output(self.reward_fn(response, ground_truth))
+            return check_reward_output(call_reward(self.reward_fn, response, ground_truth))
         except Exception as exc:  # noqa: BLE001 - any reward failure scores 0
             return self._failed(f"{type(exc).__name__}: {exc}")
 
@@ -124,6 +132,12 @@ class RewardScorer:
         gets, for each of ``rollouts``, ``{"response", "messages", "info"}`` in place of the text."""
         if rollouts is not None and getattr(self.reward_fn, "reads_rollout", False):
             responses = [rollout_view(r) for r in rollouts]
+        elif self.reward_fn is not None and reward_reads(self.reward_fn):  # it declared prompt/question/messages
+            responses = [with_context(
+                text, prompts[i] if prompts is not None else getattr(rollouts[i], "prompt", None) if rollouts else None,
+                questions[i] if questions is not None else None,
+                getattr(rollouts[i], "messages", None) if rollouts is not None else None)
+                for i, text in enumerate(responses)]
         if self.model_reward is None:
             return self._score_rules(responses, ground_truths)
         if prompts is None:
@@ -223,5 +237,5 @@ def rollout_view(rollout) -> dict:
 
 def check_reward_output_of(reward_fn: Any, response: str, ground_truth: Any) -> dict[str, float]:
     """``reward_fn(response, ground_truth)``, checked (thread-pool side)."""
-    return check_reward_output(reward_fn(response, ground_truth))
+    return check_reward_output(call_reward(reward_fn, response, ground_truth))
 

@@ -196,6 +196,17 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
+def import_beside(path: str | Path) -> None:
+    """A config's folder goes at the end of ``sys.path`` (after the installed packages, which it can
+    never shadow): a ``myrewards:fn`` reward, tool or environment module beside the config imports
+    without PYTHONPATH, in this process and in the reward workers (which get this ``sys.path``)."""
+    import sys
+
+    folder = str(Path(path).expanduser().resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+
+
 def did_you_mean(key: str, names) -> str:
     """``; did you mean 'group_size'?`` for a misspelt ``key`` (difflib's closest of ``names``), or nothing."""
     close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
@@ -264,6 +275,7 @@ class BaseConfig(BaseModel):
                 loaded = {}
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: the config must be a mapping of keys to values")
+            import_beside(path)
             odd = next((k for k in loaded if not isinstance(k, str)), MISSING_KEY)
             if odd is not MISSING_KEY:
                 raise ConfigError(f"{path}: key {short_repr(odd)} is not a name (every key is a field's name)")

@@ -58,14 +58,14 @@ def tokenizer_for_prompts(model: str, tokenizer=None, trust_remote_code: bool = 
     return load_tokenizer(model, trust_remote_code=trust_remote_code)
 
 
-def default_template_name(task, tokenizer, reward: Any) -> str:
+def default_template_name(task, tokenizer, reward: Any, say: bool = True) -> str:
     """``prompt_template`` when not given: with a tokenizer that has a chat template, the chat
     template — ``chat_r1`` when the reward reads ``<answer>`` tags (every embedded task, r1_zero),
-    plain ``chat`` for a tag-free reward — said in one line; else the task's own, else r1_zero."""
+    plain ``chat`` for a tag-free reward — said in one line (``say``); else the task's own, else r1_zero."""
     if has_chat_template(tokenizer):
         name = "chat_r1" if reward_reads_tags(reward if reward is not None else
                                              (task.reward_fn if task is not None else "r1_zero")) else "chat"
-        if os.environ.get("RANK", "0") == "0":
+        if say and os.environ.get("RANK", "0") == "0":
             print(f"grpolab: the model's tokenizer has a chat template: prompts use it (prompt_template: {name}); "
                   "set prompt_template to choose another", file=sys.stderr)
         return name
@@ -115,19 +115,22 @@ def task_reward(task, template) -> Any:
     return lenient_reward(fn) if getattr(template, "lenient_format", False) else fn
 
 
-def task_or_file(source: str, n: int, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
+def task_or_file(source: str, n: int | None, *, seed: int = 0, split: str = "test", prompt_template: str | None = None,
                  reward: Any = None, task_options: dict | None = None, retrieval: dict | None = None,
                  tokenizer=None, system_prompt: str | None = None, **data_kw) -> tuple[list[Example], Any, Any]:
     """``task:NAME`` (an embedded task's ``split``), ``rg:NAME`` (a reasoning-gym generator's),
     ``vf:SPEC`` (a verifiers environment's, ``task_options`` its ``load_environment`` arguments) or a
-    data file -> (examples[:n], template, reward)."""
+    data file -> (examples[:n], template, reward). ``n`` None: every row of a file or a verifiers
+    dataset, 200 of a generated task."""
     name = source[5:] if source.startswith("task:") else source if source.startswith("rg:") else None
     if source.startswith("vf:"):
         task = VerifiersTask(source[3:], task_options, seed=seed)
-        n = min(n, task.size(split))  # a fixed dataset: its rows, up to n (as a data file's)
+        n = task.size(split) if n is None else min(n, task.size(split))  # a fixed dataset: its rows, up to n
     else:
         task = get_task(name, seed=seed, options=task_options) if name is not None else None
-    examples = task.examples(split, n) if task is not None else list(load_examples(source, **data_kw))[:n]
+        n = 200 if n is None and task is not None else n  # a generated task has no end
+    examples = task.examples(split, n) if task is not None else \
+        list(load_examples(source, **data_kw, split="train" if split == "train" else None))[:n]
     return (examples, *template_and_reward(task, prompt_template, reward, retrieval, tokenizer=tokenizer,
                                            system_prompt=system_prompt))
 
@@ -141,6 +144,13 @@ def run_task(cfg):
     return get_task(cfg.task, seed=cfg.seed, options=cfg.task_options) if cfg.task is not None else None
 
 
+def warn_no_eval_data(train_data) -> list:
+    """No validation set: said once on stderr (no eval/* curve otherwise, and no error); returns []."""
+    print(f"grpolab: warning: train_data {train_data} comes without eval_data: no validation (no eval/* "
+          "metrics); set eval_data (a file, or hf:NAME, which reads its test or validation split)", file=sys.stderr)
+    return []
+
+
 def load_inputs(cfg, tokenizer=None) -> Inputs:
     """The examples, template and reward of a config with the shared data fields; ``tokenizer``
     (else the model directory's) renders chat prompts."""
@@ -149,11 +159,13 @@ def load_inputs(cfg, tokenizer=None) -> Inputs:
              if task is not None
              else load_examples(cfg.train_data, **data_options(cfg)))
     if cfg.eval_data:
-        evals = load_examples(cfg.eval_data, **data_options(cfg))
+        evals = load_examples(cfg.eval_data, **data_options(cfg), split=None)  # hf: its test/validation split
     elif isinstance(task, VerifiersTask):  # a fixed evaluation set: its rows, up to eval_examples (as eval_data's)
         evals = task.examples("validation", min(cfg.eval_examples, task.size("validation")))
     else:
         evals = task.examples("validation", cfg.eval_examples) if task is not None else []
+    if task is None and not cfg.eval_data:
+        warn_no_eval_data(cfg.train_data)
     if not train:
         raise DataError(f"{cfg.train_data or getattr(task, 'name', None) or cfg.task}: no training examples")
     template, reward = template_and_reward(task, cfg.prompt_template, cfg.reward, cfg.retrieval,
@@ -217,7 +229,8 @@ def load_sft_inputs(cfg, tokenizer=None) -> tuple[list[SFTPair], Inputs]:
     question; a conversation is rendered by the chat template."""
     if cfg.train_data is not None and looks_like_sft_pairs(cfg.train_data):
         pairs = list(load_sft_pairs(cfg.train_data))
-        evals = list(load_examples(cfg.eval_data, **data_options(cfg)))[: cfg.eval_examples] if cfg.eval_data else []
+        evals = list(load_examples(cfg.eval_data, **data_options(cfg), split=None))[: cfg.eval_examples] \
+            if cfg.eval_data else warn_no_eval_data(cfg.train_data)
         options = prompt_options(cfg, tokenizer)
         inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward, cfg.retrieval,
                                                            **options))
