@@ -25,8 +25,9 @@ def eval_cmd(
     system_prompt: Optional[str] = option("system_prompt"),
     reward: Optional[str] = option("reward"),
     k: int = option("k"),
-    n: int = option("n"),
+    n: Optional[int] = option("n"),
     temperature: float = option("temperature"),
+    top_p: float = option("top_p"),
     max_tokens: int = option("max_tokens"),
     min_tokens: int = option("min_tokens"),
     stop: Optional[list[str]] = option("stop"),
@@ -57,20 +58,22 @@ def eval_cmd(
         opts = EvalOptions.from_cli(given)
         check_writable(opts.out)  # before any sampling: an unwritable --out must not cost the run
         tok = load_tokenizer(opts.model)  # first: it renders chat prompts, and a bad path fails before the weights
+        prompt_template, system_prompt = eval_template(opts, tok)
         examples, template, reward_fn = task_or_file(
-            opts.data, opts.n, seed=opts.seed, prompt_template=opts.prompt_template, reward=opts.reward,
-            retrieval=opts.retrieval, task_options=opts.task_options, tokenizer=tok, system_prompt=opts.system_prompt)
+            opts.data, opts.n, seed=opts.seed, prompt_template=prompt_template, reward=opts.reward,
+            retrieval=opts.retrieval, task_options=opts.task_options, tokenizer=tok, system_prompt=system_prompt)
         lm = load_model(opts.model, tokenizer=tok)
         load_reward_models(reward_fn)  # before sampling: a bad reward model must not cost the samples
         corpus_ids = corpus_token_ids(opts.corpus, tok) if opts.corpus else None
-        autocast = resolve_dtype(opts.dtype) if opts.dtype != "float32" else None
+        dtype = opts.dtype if opts.dtype != "auto" else "bfloat16" if opts.backend == "vllm" else "float32"
+        autocast = resolve_dtype(dtype) if dtype != "float32" else None
         sampler = make_backend(opts.backend, lm, tok, seed=opts.seed, autocast_dtype=autocast,
-                               **({"dtype": opts.dtype} if opts.backend == "vllm" else {}))
+                               **({"dtype": dtype} if opts.backend == "vllm" else {}))
         if opts.env is not None:  # multi-turn: the tools run around the same sampler
             sampler = _env_backend(sampler, opts.env, tok, template)
         typer.echo(_eval_plan(lm, len(examples), opts.k, opts.max_tokens, autocast), err=True)
         metrics, generations = evaluate_model(
-            lm, tok, sampler, examples, template, reward_fn, k=opts.k, temperature=opts.temperature,
+            lm, tok, sampler, examples, template, reward_fn, k=opts.k, temperature=opts.temperature, top_p=opts.top_p,
             max_tokens=opts.max_tokens, min_tokens=opts.min_tokens, stop=opts.stop, seed=opts.seed,
             corpus_ids=corpus_ids, reward_timeout_s=opts.reward_timeout_s, source=opts.data, entropy=opts.entropy)
         sampler.close()
@@ -81,6 +84,48 @@ def eval_cmd(
     except _user_errors() as exc:
         _fail(str(exc))
     typer.echo(f"\nwritten: {opts.out / 'eval.json'}, {opts.out / 'generations.jsonl'}")
+
+
+def trained_run_config(model: str) -> tuple[Path, dict] | None:
+    """The config.yaml of the grpolab run whose ``final/`` (or ``checkpoints/step_N/``) ``model`` is, as a
+    mapping; None for any other model."""
+    from ..training.config import load_yaml_file
+    from ..training.run_dir import CONFIG_FILE
+
+    path = Path(model)
+    for run in (path.parent, path.parent.parent) if path.is_dir() else ():
+        if (run / CONFIG_FILE).is_file() and (path.name == "final" or path.parent.name == "checkpoints"):
+            config = load_yaml_file(run / CONFIG_FILE)
+            return (run / CONFIG_FILE, config) if isinstance(config, dict) else None
+    return None
+
+
+def eval_template(opts, tokenizer) -> tuple[str, str | None]:
+    """The prompt template (and system prompt) of an evaluation, said in one line on stderr with why:
+    --prompt-template; else the one the model was trained with (a grpolab run's model: the template its
+    config.yaml names, or the one that run chose for itself); else the task's own (task:NAME, rg:NAME);
+    else r1_zero. Never chosen by whether the tokenizer has a chat template."""
+    from ..data import get_task
+    from ..training.inputs import default_template_name
+
+    name, system_prompt, why = opts.prompt_template, opts.system_prompt, "--prompt-template"
+    run = trained_run_config(opts.model) if name is None else None
+    if run is not None:
+        path, config = run
+        name = config.get("prompt_template")
+        if name is None:  # the run chose its own default: the same rule again, unsaid
+            task = get_task(config["task"], seed=config.get("seed", 0), options=config.get("task_options")) \
+                if config.get("task") else None
+            name = default_template_name(task, tokenizer, config.get("reward"), say=False)
+        system_prompt = system_prompt if system_prompt is not None else config.get("system_prompt")
+        why = f"the template {opts.model} was trained with, from {path}"
+    elif name is None and opts.data.startswith(("task:", "rg:")):
+        name = get_task(opts.data.removeprefix("task:"), seed=opts.seed, options=opts.task_options).default_template
+        why = f"{opts.data}'s own; --prompt-template chooses another"
+    elif name is None:
+        name, why = "r1_zero", "the default (CS336's); --prompt-template chooses another"
+    typer.echo(f"grpolab eval: prompt template {name} ({why})", err=True)
+    return name, system_prompt
 
 
 def _eval_plan(model, questions: int, k: int, max_tokens: int, autocast) -> str:

@@ -35,6 +35,7 @@ Temperature = same_as(SampledRunConfig, "eval_temperature")
 MaxTokens = same_as(SampledRunConfig, "sampling_max_tokens")
 MinTokens = same_as(SampledRunConfig, "sampling_min_tokens")
 Questions = same_as(SampledRunConfig, "eval_examples")
+TopP = same_as(SampledRunConfig, "sampling_top_p")
 RewardTimeout = same_as(SampledRunConfig, "reward_timeout_s")
 Reward = same_as(RunConfig, "reward")
 TopK = same_as(RetrievalSettings, "top_k")
@@ -97,28 +98,32 @@ class EvalOptions(CommandOptions):
     """The questions: a JSONL file (GSM8K, MATH, plain, conversational), task:NAME (an embedded task) or
     rg:NAME (a reasoning-gym generator)."""
     prompt_template: str | None = None
-    """r1_zero, compact, question_only, chat, chat_r1 or a file; not given: the tokenizer's chat template where
-    it has one, else the task's, else r1_zero."""
+    """r1_zero, compact, question_only, chat, chat_r1 or a file; not given: the one the model was trained with
+    (a grpolab run's final/: its run's config.yaml), else the task's (task:NAME), else r1_zero; said in one line."""
     system_prompt: str | None = None
     """Chat templates: a system message (its text, or a file's path)."""
     reward: Reward = None
     """A reward name, 'pkg.mod:fn', or YAML: '{model: runs/rm/final}' (a reward model), a weighted list; not
     given: the task's verifier, else r1_zero."""
-    k: int = Field(4, ge=1)
-    """Samples per question (pass@k, maj@k, consistency)."""
-    n: Questions = 200
-    """Questions to evaluate (the first n of the data, or of the task's test split)."""
+    k: int = Field(1, ge=1)
+    """Samples per question (pass@k, maj@k, consistency); 1: CS336's zero-shot baseline."""
+    n: Questions | None = None
+    """Questions to evaluate, the first n; not given: every example of a data file (CS336's baseline: all of
+    MATH validation), 200 of a generated task's test split (task:NAME, rg:NAME)."""
     temperature: Temperature = 1.0
-    """The sampling temperature (0: greedy)."""
+    """The sampling temperature (0: greedy); 1.0 as CS336's baseline."""
+    top_p: TopP = 1.0
+    """Nucleus sampling's top-p (1: the whole distribution, as CS336's baseline)."""
     max_tokens: MaxTokens = 1024
-    """New tokens per sample at most. On a CPU with a real model the defaults (200 x 4 x 1024) take hours: try
-    --n 20 --k 1 --max-tokens 256."""
+    """New tokens per sample at most (CS336: 1024). On a CPU with a real model the defaults take hours over
+    thousands of questions: try --n 20 --max-tokens 256."""
     min_tokens: MinTokens = 0
     """New tokens before a stop or eos may end a sample (at most --max-tokens)."""
     stop: list[str] = Field(default_factory=lambda: ["</answer>"])
     """A stop string, kept in the output (repeat for several); not given: </answer>; --stop '' alone: none."""
-    dtype: Dtype = "float32"
-    """float32, or bfloat16 (autocast over fp32 weights, as in training)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: float32 with --backend hf, bfloat16 with --backend vllm (the engine's weights, as CS336's vLLM);
+    float32, or bfloat16 (hf: autocast over fp32 weights, as in training; vllm: the engine's dtype)."""
     task_options: dict[str, Any] = Field(default_factory=dict)
     """A setting of the embedded or reasoning-gym task, KEY=VALUE (repeat for several), e.g. digits=2."""
     entropy: bool = True

@@ -128,6 +128,7 @@ def evaluate_model(
     scorer: RewardScorer | None = None,
     source: str | None = None,
     entropy: bool = True,
+    top_p: float = 1.0,
 ) -> tuple[dict[str, Any], list[dict]]:
     """All figures for ``k`` samples per question. Returns (metrics, generations).
 
@@ -135,8 +136,8 @@ def evaluate_model(
     short for perplexity) raise ValueError before any sampling. Rewards are guarded (see
     ``evaluate``); token entropy (``entropy``) is of the sampling distribution (``temperature``)."""
     check_eval_inputs(k, examples, source, corpus_ids, ppl_max_length, ppl_stride)
-    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=min_tokens, stop=list(stop),
-                              seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens,
+                              stop=list(stop), seed=seed)
     result = evaluate(backend, examples, template, reward_fn, sampling, n=k, scorer=scorer,
                       reward_timeout_s=reward_timeout_s)
     keys = [answer_key(r.scored_response) for r in result.rollouts]

@@ -127,7 +127,7 @@ def test_an_option_that_is_a_config_field_takes_and_refuses_what_that_field_does
 @pytest.mark.parametrize("options,given,says", [
     (EvalOptions, {"n": 0}, "--n must be at least 1, got 0"),
     (EvalOptions, {"k": 0}, "--k must be at least 1, got 0"),
-    (EvalOptions, {"dtype": "float16"}, "--dtype must be float32 or bfloat16, got 'float16'"),
+    (EvalOptions, {"dtype": "float16"}, "--dtype must be auto, float32 or bfloat16, got 'float16'"),
     (EvalOptions, {"backend": "trl"}, "--backend must be hf or vllm, got 'trl'"),
     (EvalOptions, {"min_tokens": 2000}, "--min-tokens must be within [0, --max-tokens (1024)], got 2000"),
     (EvalOptions, {"min_tokens": -1}, "--min-tokens must be at least 0, got -1"),
