@@ -216,4 +216,58 @@ def save_model_and_tokenizer(model, tokenizer, out_dir: str | Path) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    config_for_older_loaders(out_dir)
     return out_dir
+
+
+def config_for_older_loaders(out_dir: str | Path) -> None:
+    """Add to a saved ``config.json`` the top-level keys transformers 4.46-4.x reads and 5.x no longer
+    writes: ``rope_theta`` (and ``rope_scaling``) from ``rope_parameters``, ``torch_dtype`` from
+    ``dtype``. Without ``rope_theta`` transformers 4.57 loads a Llama/Qwen2 with RoPE base 10000, silently
+    wrong (interop D11); 5.x and vLLM read the same file unchanged."""
+    import json
+
+    path = Path(out_dir) / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    rope, added = config.get("rope_parameters"), {}
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
+        added["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+            added["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if "dtype" in config and "torch_dtype" not in config:
+        added["torch_dtype"] = config["dtype"]
+    if added:
+        path.write_text(json.dumps({**config, **added}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _umask() -> int:
+    try:  # Linux: no change of the process's umask (another thread may create files meanwhile)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_like_save_pretrained(directory: str | Path) -> None:
+    """Directories 0777 and files 0666 less the umask (0755/0644 under umask 022), as ``save_pretrained``
+    into a fresh directory gives: a directory written through ``tempfile.mkdtemp`` (0700) and
+    transformers' own 0600 weight files become readable by a serving container or another user
+    (interop D10)."""
+    import os
+
+    mask = _umask()
+    root = Path(directory)
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)

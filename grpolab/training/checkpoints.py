@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..models import save_model_and_tokenizer
+from ..models.loading import config_for_older_loaders, readable_like_save_pretrained
 from . import distributed
 from .config import ConfigError, resume_changes
 from .resources import adopt_saved_dtype
@@ -74,6 +75,7 @@ def atomic_directory(target: Path, write, every_rank=None) -> Path:
         if every_rank is not None:
             every_rank(tmp)
         write(tmp)
+        readable_like_save_pretrained(tmp)  # mkdtemp's 0700: final/ and checkpoints readable as any HF directory
         fsync_tree(tmp)
         old = target.with_name(f".old_{target.name}")
         if target.exists():
@@ -161,6 +163,7 @@ class CheckpointManager:
             else:
                 model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
+                config_for_older_loaders(tmp)
             torch.save(state, tmp / STATE_FILE)
 
         final = atomic_directory(self.root / f"step_{step}", write, every_rank)
