@@ -4,7 +4,13 @@ With learned reward models (``reward: {model: ...}``) each model's mean raw scor
 ``reward_model/<name>``; ``accuracy``, the format rate, pass@k and maj@k come from a verifier only (a rule
 in the reward list that reports ``answer_reward``): an RM's score is not a right answer, and without a
 verifier those rows are left out. Evaluation scores unnormalised: it never moves a reward model's
-running statistics, and a z-score over the evaluated batch (mean 0 by construction) is no figure."""
+running statistics, and a z-score over the evaluated batch (mean 0 by construction) is no figure.
+
+A verifiers rubric (``env: {verifiers: ...}``) has no accuracy of its own: its ``reward`` is a weighted
+sum of functions (reported as ``reward`` and each function's mean, ``vf/<name>``). A response is counted
+right when the rubric's answer function (``vf_rubric.rubric_roles``: the largest weight) reaches 1, the
+rule ``correctness`` applies to a rule reward's ``reward``; ``format_rate`` is the mean of the parser's
+format function, left out when the rubric has none."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Any, Sequence
 
 from ..rewards import RewardScorer
 from ..rewards.reward_model import unnormalized
+from ..rewards.vf_rubric import GROUND_TRUTH_KEYS, rubric_roles
 from ..rollout import Rollout, SamplingParams
 
 
@@ -50,9 +57,22 @@ def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, resp
     return scores, scorer.errors - before, list(scorer.model_reward.names) if scorer.model_reward else []
 
 
-def correctness(scores: list[dict[str, float]], model_names: list[str]) -> list[bool] | None:
-    """Whether each response is right: ``reward >= 1`` for a rule reward; beside reward models, the verifier's
-    ``answer_reward`` (times its ``format_reward``) — None when no component is a verifier."""
+def vf_roles(ground_truths: Sequence) -> tuple[str | None, str | None] | None:
+    """A verifiers rubric's (answer, format) function names (``rubric_roles``) when the ground truths
+    are a verifiers environment's rows, else None."""
+    gt = ground_truths[0] if ground_truths else None
+    if not isinstance(gt, dict) or any(k not in gt for k in GROUND_TRUTH_KEYS):
+        return None
+    return rubric_roles(gt["env"], gt["args"])
+
+
+def correctness(scores: list[dict[str, float]], model_names: list[str],
+                vf: tuple[str | None, str | None] | None = None) -> list[bool] | None:
+    """Whether each response is right: ``reward >= 1`` for a rule reward; for a verifiers rubric (``vf``:
+    its answer and format function names), its answer function's value ``>= 1``; beside reward models, the
+    verifier's ``answer_reward`` (times its ``format_reward``) — None when no component is a verifier."""
+    if vf is not None and vf[0] is not None:
+        return [s.get(f"vf/{vf[0]}", s["reward"]) >= 1.0 for s in scores]
     if not model_names:
         return [s["reward"] >= 1.0 for s in scores]
     if not any("answer_reward" in s for s in scores):
@@ -66,15 +86,24 @@ def _answer(s: dict[str, float]) -> float:
 
 
 def score_metrics(scores: list[dict[str, float]], lengths: list[int], model_names: list[str],
-                  correct: list[bool] | None) -> dict[str, float]:
+                  correct: list[bool] | None, vf: tuple[str | None, str | None] | None = None) -> dict[str, float]:
     """accuracy and the format rate (a verifier's: left out beside reward models without one), the mean
     reward, each reward model's mean raw score (``reward_model/<name>``) and the lengths of right and wrong
-    answers."""
+    answers. For a verifiers rubric (``vf``: see the module doc) accuracy is the share counted right, the
+    format rate its parser's format function's mean (left out without one), and each ``vf/<name>`` its mean."""
     verified = correct is not None
-    out = {"accuracy": _mean(_answer(s) for s in scores)} if verified else {}
+    if vf is not None and verified:
+        out = {"accuracy": _mean(correct)}
+    else:
+        out = {"accuracy": _mean(_answer(s) for s in scores)} if verified else {}
     out["reward"] = _mean(s["reward"] for s in scores)
     out.update({f"reward_model/{name}": _mean(s.get(f"{name}_raw", 0.0) for s in scores) for name in model_names})
-    if verified:
+    if vf is not None:
+        names = sorted({k for s in scores for k in s if k.startswith("vf/")})
+        out.update({k: _mean(s.get(k, 0.0) for s in scores) for k in names})
+        if vf[1] is not None:
+            out["format_rate"] = _mean(s.get(f"vf/{vf[1]}", 0.0) for s in scores)
+    elif verified:
         out["format_rate"] = _mean(s.get("format_reward", 0.0) for s in scores)
     out["mean_length"] = _mean(lengths)
     if verified:
@@ -106,9 +135,10 @@ def evaluate(
     scores, errors, model_names = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts],
                                          gts, [r.prompt for r in rollouts],
                                          [examples[r.prompt_index].question for r in rollouts], rollouts)
-    correct = correctness(scores, model_names)
+    vf = vf_roles(gts)
+    correct = correctness(scores, model_names, vf)
     metrics = {
-        **score_metrics(scores, [len(r.response_ids) for r in rollouts], model_names, correct),
+        **score_metrics(scores, [len(r.response_ids) for r in rollouts], model_names, correct, vf),
         "truncation_rate": _mean(r.finish_reason == "length" for r in rollouts),
         "n": len(rollouts),
         "reward_errors": errors,
