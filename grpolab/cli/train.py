@@ -62,9 +62,9 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
         _fail(str(exc))
     try:
         return train(cfg, resume=resume is not None, overwrite=overwrite)
-    except RunInterrupted as exc:
+    except RunInterrupted as exc:  # Ctrl-C 130, SIGTERM 143
         typer.echo(f"grpolab: {exc}", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(exc.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, but say where the run can continue from
         typer.echo(f"grpolab: stopped at once; {_continue_from(cfg, command)}", err=True)
         raise typer.Exit(130)

@@ -97,8 +97,10 @@ class VerifiersDriver:
         server = self._server(backend)
         rows = rows if rows is not None else [self._row(p) for p in prompts]
         args = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
-        if sampling.stop:
-            args["stop"] = list(sampling.stop)
+        if sampling.stop:  # kept in the answer, as grpolab's sampler keeps it (the rubric reads <answer>...</answer>)
+            args.update(stop=list(sampling.stop), include_stop_str_in_output=True)
+        if sampling.min_tokens:
+            args["min_tokens"] = sampling.min_tokens
         jobs = [(i, rows[i], f"policy@{uuid.uuid4().hex[:16]}", None if sampling.seed is None else sampling.seed + k)
                 for k, i in enumerate(i for i in range(len(prompts)) for _ in range(n))]
         with cf.ThreadPoolExecutor(1) as pool:  # a fresh event loop, whatever the caller runs in

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import select
+import signal
 import subprocess
 import threading
 import time
@@ -75,8 +76,10 @@ class RewardWorker:
     def start(self) -> None:
         """Start the child and wait for it to import the reward; raises ``WorkerStartError``."""
         self.kill()
+        # its own session and process group: a terminal's Ctrl-C (sent to the trainer's group) leaves it
+        # to finish its batch while the trainer checkpoints; ``kill`` ends its whole group (case V08)
         self.proc = subprocess.Popen(child_command(self.SCRIPT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     bufsize=0)
+                                     bufsize=0, start_new_session=True)
         try:
             self.send_frame({"sys_path": self.sys_path, "spec": self.spec, "memory_limit_mb": self.memory_limit_mb})
         except OSError:
@@ -128,8 +131,11 @@ class RewardWorker:
 
     def kill(self) -> None:
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            if self.proc.poll() is None:  # not reaped yet: its group id is still its own
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except OSError:
+                    self.proc.kill()
             self.proc.wait()
             for stream in (self.proc.stdin, self.proc.stdout):
                 try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
 import sys
 import threading
 from typing import Iterable, Sequence
@@ -57,8 +58,28 @@ class SamplerProcessError(RolloutBackendError):
     """The sampler process died or could not start; the message is one line."""
 
 
+@contextlib.contextmanager
+def _terminal_signals_ignored():
+    """Start a child with SIGINT and SIGTERM ignored (kept across its exec; Python leaves an ignored
+    SIGINT ignored): a terminal's Ctrl-C or a scheduler's SIGTERM goes to the whole process group,
+    and the trainer, which checkpoints on them, must find its sampler alive; it ends the child itself
+    (``close``). The main thread only (elsewhere the child ignores them from its first line)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def _serve(conn, staging, tokenizer, options: dict) -> None:
-    """The child: build the live copy and an HF backend on it, then answer commands until ``close``."""
+    """The child: build the live copy and an HF backend on it, then answer commands until ``close``
+    (or its parent's end). Ctrl-C and SIGTERM are the trainer's to handle (reliability case A09)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(options["threads"])
     os.environ["OMP_NUM_THREADS"] = str(options["threads"])
     try:
@@ -115,7 +136,7 @@ class ProcessRolloutBackend:
                        fast_path=fast_path, seed=seed, device=device)
         self.process = ctx.Process(target=_serve, args=(child, self.staging, tokenizer, options), daemon=True,
                                    name="grpolab-sampler")
-        with _main_module_hidden():
+        with _main_module_hidden(), _terminal_signals_ignored():
             self.process.start()
         child.close()
         self._closed = False

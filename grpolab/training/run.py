@@ -12,7 +12,8 @@ A trainer holds only its algorithm; the ``Run`` holds everything around it:
   controller, health streaks, RNG generators, extra models), saved in atomic checkpoints and
   restored on ``--resume`` so a resumed run equals an uninterrupted one;
 - metrics (``log``), validation (``validate``), the guarded optimizer step (non-finite steps are
-  skipped and counted), Ctrl-C (a checkpoint at the next safe point and a ``--resume`` hint),
+  skipped and counted), Ctrl-C and SIGTERM (a checkpoint at the next safe point and a ``--resume``
+  hint; a second one stops at once),
   the final model (written atomically) and the ``TrainResult``.
 """
 
@@ -43,7 +44,12 @@ from .run_setup import autocast_for, build_run_env, load_run_model, resolve_devi
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C stopped the run at a safe point; the message says how to resume."""
+    """Ctrl-C (or SIGTERM) stopped the run at a safe point; the message says how to resume;
+    ``exit_code`` is 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -126,10 +132,11 @@ class Run:
         self._nonfinite_at_start: int | None = None  # parameter tensors holding NaN or inf before the first step
         self._tracked: dict[str, Any] = {}
         self._generators: dict[str, torch.Generator] = {}
-        self._interrupts = 0
-        self._old_sigint = None
+        self._interrupts, self._stop_signal = 0, signal.SIGINT
+        self._old_handlers: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            for sig in (signal.SIGINT, signal.SIGTERM):  # SIGTERM: timeout, a scheduler, docker stop (A11)
+                self._old_handlers[sig] = signal.signal(sig, self._on_sigint)
         self.bar = progress(
             self.total_steps, cfg.command.upper(), cfg.show_progress and self.is_main, initial=self.step
         )
@@ -293,15 +300,19 @@ class Run:
         if self._interrupts:
             saved = saved or self.checkpoint(done)
             self.close()
-            raise RunInterrupted(f"interrupted after step {done}; checkpoint {saved}. Continue with: "
-                                 f"grpolab {self.cfg.command} --resume {self.path}")
+            name = "SIGTERM" if self._stop_signal == signal.SIGTERM else "Ctrl-C"
+            raise RunInterrupted(f"interrupted after step {done} ({name}); checkpoint {saved}. Continue with: "
+                                 f"grpolab {self.cfg.command} --resume {self.path}", 128 + int(self._stop_signal))
 
     def _on_sigint(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM: a checkpoint after this step; a second one stops at once."""
         self._interrupts += 1
-        if self._interrupts > 1:  # a second Ctrl-C: stop at once
+        if self._interrupts > 1:  # a second signal: stop at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        print("\ngrpolab: Ctrl-C: stopping after this step and writing a checkpoint (Ctrl-C again to stop now)",
+        self._stop_signal = signum
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\ngrpolab: {name}: stopping after this step and writing a checkpoint (Ctrl-C again to stop now)",
               file=sys.stderr)
 
     # ------------------------------------------------------------ the end
@@ -326,9 +337,9 @@ class Run:
         self._on_close.clear()
         self.bar.close()
         self.logger.close()
-        if self._old_sigint is not None:
-            signal.signal(signal.SIGINT, self._old_sigint)
-            self._old_sigint = None
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
         distributed.teardown(barrier=not failed)
         self.claim.release()
 
