@@ -43,7 +43,7 @@ def ask(client, messages, model="policy@a", **kw):
 def test_answers_carry_vllm_token_fields_and_the_samplers_log_probs(served):
     server, model, tok, client = served
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    resp = ask(client, messages, seed=3)
+    resp = ask(client, messages, seed=3, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
     choice = resp.choices[0]
     prompt_ids, ids = resp.prompt_token_ids, choice.token_ids
     assert prompt_ids == tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
