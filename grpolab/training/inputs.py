@@ -24,6 +24,7 @@ from ..data import (
     load_sft_pairs,
     load_template,
 )
+from ..data.prompts import held_template, holds_template
 from ..data.tasks.vf import VerifiersTask
 from ..envs import retrieval_template
 from ..models import EMBEDDED_PREFIX, load_tokenizer, model_directory
@@ -155,6 +156,10 @@ def load_inputs(cfg, tokenizer=None) -> Inputs:
     """The examples, template and reward of a config with the shared data fields; ``tokenizer``
     (else the model directory's) renders chat prompts."""
     task = run_task(cfg)
+    if isinstance(task, VerifiersTask) and "task_train_size" not in cfg.model_fields_set and task.size("train"):
+        # an environment's own dataset sets the run's size: its train rows, up to the default (a 65-row
+        # environment was refused for the default 2000); written to the run's config.yaml, so a resume agrees
+        cfg.task_train_size = min(cfg.task_train_size, task.size("train"))
     train = (task.examples("train", cfg.task_train_size)
              if task is not None
              else load_examples(cfg.train_data, **data_options(cfg)))
@@ -224,22 +229,34 @@ def looks_like_sft_pairs(path: str) -> bool:
 def load_sft_inputs(cfg, tokenizer=None) -> tuple[list[SFTPair], Inputs]:
     """SFT's (prompt, response) pairs — from an SFT JSONL (``{prompt, response}``, ``{prompt,
     completion}``, ``{messages}``) or the worked solutions of a task or GSM8K/MATH file — and the
-    usual inputs for validation. A pair's text prompt is used verbatim (CS336's ``sft.jsonl``
-    holds formatted prompts) unless ``prompt_template`` is given, which then formats it as a
-    question; a conversation is rendered by the chat template."""
+    usual inputs for validation. A pair's text prompt that already holds the template (CS336's
+    ``sft.jsonl``: r1_zero prompts; ``holds_template``) is used verbatim; without ``prompt_template``,
+    the built-in template every text prompt holds (``held_template``) is the run's, so validation
+    formats its questions with it too (said in one line). Another text prompt is used verbatim unless
+    ``prompt_template`` is given, which then formats it as a question; a conversation is rendered by
+    the chat template."""
     if cfg.train_data is not None and looks_like_sft_pairs(cfg.train_data):
         pairs = list(load_sft_pairs(cfg.train_data))
         evals = list(load_examples(cfg.eval_data, **data_options(cfg), split=None))[: cfg.eval_examples] \
             if cfg.eval_data else warn_no_eval_data(cfg.train_data)
+        texts = [p.prompt for p in pairs if p.messages is None]
+        name = cfg.prompt_template or held_template(texts)
         options = prompt_options(cfg, tokenizer)
-        inputs = Inputs(pairs, evals, *template_and_reward(None, cfg.prompt_template, cfg.reward, cfg.retrieval,
-                                                           **options))
+        inputs = Inputs(pairs, evals, *template_and_reward(None, name, cfg.reward, cfg.retrieval, **options))
+        held = 0
         for p in pairs:
             if p.messages is not None:
                 p.messages = sft_conversation(p, inputs.template, named=cfg.prompt_template is not None)
                 p.prompt = p.messages[: next(i for i, m in enumerate(p.messages) if m["role"] == "assistant")]
+            elif holds_template(inputs.template, p.prompt):
+                held += 1  # formatted already: used as it is, not formatted twice
             elif cfg.prompt_template is not None or not isinstance(p.prompt, str):
                 p.prompt = inputs.template.format(p.prompt)
+        if held and os.environ.get("RANK", "0") == "0":
+            why = "prompt_template" if cfg.prompt_template else "detected: prompt_template not set"
+            print(f"grpolab sft: {held} of {len(texts)} prompts of {cfg.train_data} already hold the "
+                  f"{name} template ({why}): used as they are, not formatted again; validation "
+                  f"formats its questions with {name}", file=sys.stderr)
         return pairs, inputs
     inputs = load_inputs(cfg, tokenizer)
     missing = [i for i, e in enumerate(inputs.train) if not e.solution]

@@ -7,8 +7,18 @@ other braces (LaTeX) are left alone. Templates end where the model continues: ``
 ``Assistant: <think>`` and no newline; a chat prompt ends with the assistant's generation prompt."""
 
 from .chat import CHAT_PRESETS, ChatTemplate, conversation_segments, has_chat_template, is_conversation, render_chat
-from .templates import BUILTIN_TEMPLATES, CHAT_TEMPLATES, R1_ZERO_PROMPT, PromptTemplate, TemplateError, load_template
+from .templates import (
+    BUILTIN_TEMPLATES,
+    CHAT_TEMPLATES,
+    R1_ZERO_PROMPT,
+    PromptTemplate,
+    TemplateError,
+    held_template,
+    holds_template,
+    load_template,
+)
 
 __all__ = ["BUILTIN_TEMPLATES", "CHAT_PRESETS", "CHAT_TEMPLATES", "ChatTemplate", "PromptTemplate", "R1_ZERO_PROMPT",
-           "TemplateError", "conversation_segments", "has_chat_template", "is_conversation", "load_template",
+           "TemplateError", "conversation_segments", "has_chat_template", "held_template", "holds_template",
+           "is_conversation", "load_template",
            "render_chat"]

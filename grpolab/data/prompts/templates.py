@@ -39,3 +39,31 @@ def load_template(name_or_path: str, tokenizer=None, system_prompt: str | None =
 
 
 R1_ZERO_PROMPT = load_template("r1_zero").text
+
+
+_MARK = "\x00question\x00"
+
+
+def holds_template(template, prompt) -> bool:
+    """Whether the text ``prompt`` is already a question formatted by ``template`` (CS336's sft.jsonl
+    holds r1_zero prompts): it starts with the template's text before ``{question}`` (not empty) and
+    ends with its text after. A template that cannot render a bare question (retrieval) holds nothing."""
+    if not isinstance(prompt, str):
+        return False
+    try:
+        before, _, after = template.format(_MARK).partition(_MARK)
+    except (TemplateError, TypeError, ValueError, KeyError):
+        return False
+    return bool(before) and len(prompt) > len(before) + len(after) and prompt.startswith(before) \
+        and prompt.endswith(after)
+
+
+def held_template(prompts) -> str | None:
+    """The built-in text template (``r1_zero``, ``compact``) that every one of ``prompts`` already
+    holds (``holds_template``), or None."""
+    prompts = list(prompts)
+    for name in ("r1_zero", "compact"):
+        template = load_template(name)
+        if prompts and all(holds_template(template, p) for p in prompts):
+            return name
+    return None
