@@ -89,6 +89,16 @@ class EnvSettings(BaseModel):
     """``verifiers`` only: keyword arguments of the environment's ``load_environment(**args)``."""
     rollout_timeout_s: float = Field(120.0, gt=0)
     """A multi-turn ``verifiers`` environment only: the most one rollout (its turns and its rubric) may take."""
+    load_timeout_s: float = Field(120.0, gt=0)
+    """``verifiers`` only, seconds: the most its ``load_environment`` may take when it is first built in a supervised
+    child before the run starts (a hang or an ``os._exit`` there is one line); raise it for a slow dataset download."""
+
+    @field_validator("verifiers")
+    @classmethod
+    def _verifiers_named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():  # V10: not the internal "build it with grpolab.envs.vf"
+            raise ValueError(f"expected an environment name, a module or a .py file, got {value!r}")
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -181,8 +191,10 @@ def build_env(tools: Sequence[Any] = ("search",), *, corpus: str | None = None, 
     env_options.pop("args", None)
     if env_options.pop("rollout_timeout_s", None) is not None:
         raise ValueError("env.rollout_timeout_s is for a multi-turn verifiers environment (env.verifiers)")
+    if env_options.pop("load_timeout_s", None) is not None:
+        raise ValueError("env.load_timeout_s is for a verifiers environment (env.verifiers)")
     if env_options.pop("verifiers", None) is not None:
-        raise ValueError("env.verifiers: build the environment with grpolab.envs.vf (build_run_env does)")
+        raise ValueError("env.verifiers: expected an environment name, a module or a .py file, got ''")
     if tool_format == "chat_template":
         search = (lambda: build_retriever(corpus, text_field=text_field, cache_dir=cache_dir, top_k=top_k,
                                           max_chars=max_chars, max_tokens=max_tokens, tokenizer=tokenizer))

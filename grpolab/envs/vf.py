@@ -17,14 +17,15 @@ from .chat_rollouts import ChatToolEnv
 from .chat_tools import CHAT_TEMPLATES, ChatRenderer
 from .vf_rollouts import VerifiersDriver, vf_tool_schemas
 
-VERIFIERS_KEYS = ("verifiers", "args")
+VERIFIERS_KEYS = ("verifiers", "args", "load_timeout_s")
 # the env keys each kind takes beside VERIFIERS_KEYS (a tool's limits; the endpoint's template)
 KIND_KEYS = {"single_turn": (), "tool": ("chat_template", "max_turns", "max_total_tokens", "max_observation_chars",
                                          "max_observation_tokens", "tool_timeout_s", "tool_format"),
              "multi_turn": ("chat_template", "max_total_tokens", "rollout_timeout_s")}
 
 
-def build_vf_env(verifiers: str, args: dict[str, Any] | None = None, *, tokenizer=None, **env_options):
+def build_vf_env(verifiers: str, args: dict[str, Any] | None = None, *, tokenizer=None, load_timeout_s=None,
+                 **env_options):
     """The run's environment of ``env: {verifiers: ...}`` (a config's ``env`` keys, as ``build_env``
     takes them): None, a ``ChatToolEnv`` or a ``VerifiersDriver`` (see the module docstring). A key
     that does not apply to the environment's kind is one line."""

@@ -28,6 +28,7 @@ import sys
 import uuid
 from typing import Any
 
+from ..rewards.vf_rubric import score_counting_errors
 from ..rollout import Rollout, SamplingParams
 from .chat_server import ChatServer
 from .chat_tools import ChatRenderer
@@ -133,7 +134,7 @@ class VerifiersDriver:
         state = await self.vf_env.rollout(row, client, key, sampling_args)
         if state.get("error") is not None:
             raise RuntimeError(f"the environment's rollout failed: {state['error']}")
-        await self.vf_env.rubric.score_rollout(state)
+        state["grpolab_rubric_errors"] = await score_counting_errors(self.vf_env.rubric, state)
         return state
 
     def _rollout(self, prompt: str, index: int, exchanges, state, error: str | None) -> Rollout:
@@ -168,6 +169,8 @@ class VerifiersDriver:
                 "model_tokens": sum(mask), "observation_tokens": len(mask) - sum(mask),
                 "vf_score": {"reward": float(state["reward"]), **{k: float(v) for k, v in
                                                                   (state.get("metrics") or {}).items()}}}
+        if state.get("grpolab_rubric_errors"):  # V04: counted as a reward error by VfRubric, not a silent 0
+            info["vf_score_error"] = state["grpolab_rubric_errors"][0]
         messages = json.loads(json.dumps(_plain(state.get("completion") or []), default=str))
         return Rollout(prompt, self.tokenizer.decode(response_ids, skip_special_tokens=True), list(full[:start]),
                        list(response_ids), logprobs, finish, index, loss_mask=mask, info=info,

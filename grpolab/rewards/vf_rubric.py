@@ -1,10 +1,13 @@
 """The reward of a ``verifiers`` environment (``env: {verifiers: NAME}``): its own rubric, run in
 grpolab's supervised reward workers like any non-built-in reward.
 
-``vf_rubric_reward`` is module-level on purpose: ``RewardScorer`` names it ``module:function`` and
-rebuilds it in each worker, never unpickles it. Its ground truth is plain data (``{"env", "args",
-"row"}``: the environment's spec and ``load_environment`` arguments, and the dataset row as a JSON
-mapping), so a worker loads the environment itself (once, cached) and rebuilds the state there.
+``VfRubric(env, args)`` is the rubric of the environment the run's config names, bound to it: the
+scorer sends that spec to each worker (``worker_spec``; the worker rebuilds it, never unpickles
+it), and a ground truth naming any other environment is refused. Code is chosen by configuration,
+never by data (issue 57, V02): a data row's answer cannot make a worker import a file. The ground
+truth is plain data (``{"env", "args", "row"}``: the environment's spec and arguments, checked
+against the bound ones, and the dataset row as a JSON mapping), so a worker loads the environment
+itself (once, cached) and rebuilds the state there.
 A worker imports verifiers while it starts (a time budget of its own), but loads the environment
 when it scores its first response, within that response's timeout: an environment whose
 ``load_environment`` takes longer than ``reward_timeout_s`` (a dataset to download) needs a longer one.
@@ -16,8 +19,10 @@ Only the classic API of verifiers 0.3.x is used (``pip install -e '.[envs]'``): 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib.util
 import json
+import logging
 import math
 import signal
 import sys
@@ -32,7 +37,7 @@ from typing import Any, Callable
 
 from .supervisor import RewardWorker
 
-EXTRA_HINT = "pip install -e '.[envs]' (or: pip install 'verifiers>=0.3.1,<0.4')"
+EXTRA_HINT = "pip install -e '.[envs]' (or: pip install 'verifiers>=0.3.1,<0.3.2')"
 GROUND_TRUTH_KEYS = ("env", "args", "row")
 
 
@@ -65,8 +70,8 @@ def _what(spec: str) -> str:
 @contextmanager
 def signal_handlers_kept():
     """Restore the SIGINT and SIGTERM handlers on the way out: ``Environment.__post_init__`` installs
-    its own (a teardown, then exit), which would replace grpolab's checkpoint-on-SIGTERM. Only the
-    main thread may set handlers; elsewhere this does nothing."""
+    its own (a teardown, then exit), which would replace grpolab's (Ctrl-C: a checkpoint, then exit
+    130). Only the main thread may set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -83,7 +88,7 @@ def vf_source(spec: str) -> str:
     """``spec`` as the ground truth names it: a ``.py`` file by its absolute path (a reward worker may
     start elsewhere), anything else as given."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"env.verifiers: expected an environment name, module or .py file, got {spec!r}")
+        raise ValueError(f"env.verifiers: expected an environment name, a module or a .py file, got {spec!r}")
     return str(Path(spec).expanduser().resolve()) if spec.endswith(".py") else spec
 
 
@@ -111,6 +116,9 @@ def _load_cached(spec: str, args_json: str):
             load = lambda **kw: vf.load_environment(spec, **kw)  # noqa: E731
         try:
             env = load(**args)
+        except SystemExit as exc:  # V03: sys.exit in load_environment would end grpolab with its code, silently
+            raise ValueError(f"{_what(spec)}: load_environment called sys.exit({exc.code!r}); an environment must "
+                             "return, not end the process") from None
         except Exception as exc:  # noqa: BLE001 - the environment's own code: any failure is one line
             cause = exc.__cause__ if not spec.endswith(".py") and exc.__cause__ is not None else exc
             where = "" if threading.current_thread() is threading.main_thread() else (
@@ -134,7 +142,7 @@ def _file_loader(spec: str):
         sys.modules[name] = module  # before exec: dataclasses and pickle look the module up by name
         try:
             module_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - a user's file
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's file (sys.exit at import too: V03)
             del sys.modules[name]
             raise ValueError(f"{_what(spec)}: importing {path} raised {type(exc).__name__}: "
                              f"{_first_line(exc)}") from None
@@ -155,7 +163,7 @@ def _check_importable(vf, spec: str) -> None:
                          "installed environment's name: prime env install NAME)")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - the environment's own code
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the environment's own code (sys.exit too: V03)
         raise ValueError(f"{_what(spec)}: importing {module_name} raised {type(exc).__name__}: "
                          f"{_first_line(exc)}") from None
     if not callable(getattr(module, "load_environment", None)):
@@ -187,6 +195,44 @@ def _has_reward_functions(rubric) -> bool:
     if rubrics is not None:
         return all(_has_reward_functions(r) for r in rubrics)
     return bool(rubric.funcs)
+
+
+_RUBRIC_ERRORS: contextvars.ContextVar[list | None] = contextvars.ContextVar("grpolab_rubric_errors", default=None)
+
+
+class _RubricErrors(logging.Handler):
+    """verifiers catches a reward function's exception, logs it and scores that function 0 (V04):
+    the log records are collected here, per scoring call (a context variable: concurrent rollouts
+    each see their own), so grpolab counts them as reward errors."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sink = _RUBRIC_ERRORS.get()
+        if sink is not None and record.levelno >= logging.ERROR:
+            sink.append(" ".join(record.getMessage().split()))
+
+
+_COLLECTOR = _RubricErrors()
+
+
+def _rubrics(rubric) -> list:
+    subs = getattr(rubric, "rubrics", None)
+    return [rubric] + [r for sub in subs for r in _rubrics(sub)] if subs else [rubric]
+
+
+async def score_counting_errors(rubric, state) -> list[str]:
+    """``rubric.score_rollout(state)``; returns the errors verifiers logged instead of raising
+    (a reward function that raised, or returned what ``float()`` refuses), [] when there were none."""
+    for r in _rubrics(rubric):
+        logger = getattr(r, "logger", None)
+        if isinstance(logger, logging.Logger) and _COLLECTOR not in logger.handlers:
+            logger.addHandler(_COLLECTOR)
+    sink: list[str] = []
+    token = _RUBRIC_ERRORS.set(sink)
+    try:
+        await rubric.score_rollout(state)
+    finally:
+        _RUBRIC_ERRORS.reset(token)
+    return sink
 
 
 def environment_kind(env: Any) -> str:
@@ -266,57 +312,98 @@ def _completion(response: Any) -> list[dict]:
         return [{"role": "assistant", "content": response}]
     if isinstance(response, list) and all(isinstance(m, dict) and "role" in m for m in response):
         return response
-    raise ValueError(f"vf_rubric_reward: expected the response text, a list of chat messages or a rollout's view, "
+    raise ValueError(f"vf_rubric: expected the response text, a list of chat messages or a rollout's view, "
                      f"got {type(response).__name__}")
 
 
 def _live_score(response: Any) -> dict | None:
     """The score an environment-driven rollout already got from the rubric on its live state
-    (``info["vf_score"]``: ``reward`` and the functions' values), or None."""
+    (``info["vf_score"]``: ``reward`` and the functions' values), or None; a rubric error logged
+    while it was scored (``info["vf_score_error"]``) is raised, so the scorer counts it."""
     info = response.get("info") if isinstance(response, dict) else None
     score = info.get("vf_score") if isinstance(info, dict) else None
     if not isinstance(score, dict) or "reward" not in score:
         return None
+    if info.get("vf_score_error"):
+        raise ValueError(f"the rubric failed: {info['vf_score_error']}")
     return {"reward": score["reward"], **{f"vf/{k}": v for k, v in score.items() if k != "reward"}}
 
 
-def vf_rubric_reward(response: str | list[dict] | dict, ground_truth: dict) -> dict[str, float]:
-    """The environment's rubric on ``response``: the model's text, the completion's chat messages
-    (multi-turn and tool rollouts), or the scorer's view of a rollout (``reads_rollout``: its
-    messages, or the score its environment-driven rollout already got). Returns ``reward`` (the
-    rubric's weighted sum) and each function's value as ``vf/NAME``.
+class VfRubric:
+    """The rubric of the run's configured environment (``env: {verifiers: env, args: {...}}``), as a
+    reward: ``VfRubric(env, args)(response, ground_truth)``. The environment is the one given here,
+    from configuration; a ground truth is only the row to score (V02: a ground truth naming another
+    environment or other arguments is an error, never a file to load). ``worker_spec`` is what the
+    reward worker rebuilds it from (``registry.build_reward``)."""
 
-    verifiers swallows an exception of a single reward function (it logs it and scores that
-    function 0.0), so such an error lowers the reward without being counted; a NaN or inf value is
-    a one-line ValueError here, which the scorer counts as an error and scores 0."""
-    if not isinstance(ground_truth, dict) or any(k not in ground_truth for k in GROUND_TRUTH_KEYS):
-        raise ValueError(f"vf_rubric_reward: expected the ground truth of a VerifiersTask example (a mapping of "
-                         f"{', '.join(GROUND_TRUTH_KEYS)}), got {type(ground_truth).__name__}")
-    spec = ground_truth["env"]
-    scores = _live_score(response)
-    if scores is None:
-        env = load_vf_environment(spec, ground_truth["args"])
-        completion = _completion(response)
+    reads_rollout = True  # RewardScorer.score(..., rollouts=...) hands it each rollout's view
+
+    def __init__(self, env: str, args: dict | None = None):
+        self.env, self.args = vf_source(env), dict(args or {})
         try:
-            state = rollout_state(env, ground_truth["row"], completion)
-        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            raise ValueError(f"{_what(spec)}: the row or completion is not verifiers chat messages "
-                             f"({type(exc).__name__}: {_first_line(exc)})") from None
-        asyncio.run(env.rubric.score_rollout(state))
-        scores = {"reward": state["reward"], **{f"vf/{k}": v for k, v in (state["metrics"] or {}).items()}}
-    out = {}
-    for key, value in scores.items():
+            self._args_json = json.dumps(self.args, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"env.args of {_what(self.env)} must be plain data (JSON): {exc}") from None
+        self.__name__ = self.__qualname__ = "vf_rubric"
+
+    @property
+    def worker_spec(self) -> dict:
+        return {"vf_rubric": {"env": self.env, "args": self.args}}
+
+    def __repr__(self) -> str:
+        return f"VfRubric({self.env!r}, {self.args!r})"
+
+    def _row(self, ground_truth: Any) -> dict:
+        if not isinstance(ground_truth, dict) or "row" not in ground_truth:
+            raise ValueError(f"vf_rubric: expected the ground truth of a VerifiersTask example (a mapping of "
+                             f"{', '.join(GROUND_TRUTH_KEYS)}), got {type(ground_truth).__name__}")
+        named = ground_truth.get("env", self.env)
+        if named != self.env:
+            raise ValueError(f"vf_rubric: the example names the environment {named!r}, not the run's configured "
+                             f"{self.env!r} (env.verifiers); data never chooses the code that scores it")
         try:
-            value = float(value)
+            same_args = json.dumps(ground_truth.get("args", self.args), sort_keys=True) == self._args_json
         except (TypeError, ValueError):
-            raise ValueError(f"{_what(spec)}: the rubric's {key} is {value!r}, not a number") from None
-        if not math.isfinite(value):
-            raise ValueError(f"{_what(spec)}: the rubric's {key} is {value} (NaN or inf is an error, not a reward)")
-        out[key] = value
-    return out
+            same_args = False
+        if not same_args:
+            raise ValueError(f"vf_rubric: the example's environment arguments differ from the run's env.args of "
+                             f"{_what(self.env)}")
+        return ground_truth["row"]
 
+    def __call__(self, response: str | list[dict] | dict, ground_truth: dict) -> dict[str, float]:
+        """The environment's rubric on ``response``: the model's text, the completion's chat messages
+        (multi-turn and tool rollouts), or the scorer's view of a rollout (``reads_rollout``: its
+        messages, or the score its environment-driven rollout already got). Returns ``reward`` (the
+        rubric's weighted sum) and each function's value as ``vf/NAME``.
 
-vf_rubric_reward.reads_rollout = True  # RewardScorer.score(..., rollouts=...) hands it each rollout's view
+        verifiers swallows an exception of a single reward function (it logs it and scores that
+        function 0.0); grpolab raises it here as one line (V04), and a NaN or inf value too: the
+        scorer counts either as a reward error and scores the response 0."""
+        spec, row = self.env, self._row(ground_truth)
+        scores = _live_score(response)
+        if scores is None:
+            env = load_vf_environment(spec, self.args)
+            completion = _completion(response)
+            try:
+                state = rollout_state(env, row, completion)
+            except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+                raise ValueError(f"{_what(spec)}: the row or completion is not verifiers chat messages "
+                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
+            errors = asyncio.run(score_counting_errors(env.rubric, state))
+            if errors:
+                raise ValueError(f"{_what(spec)}: the rubric failed: {errors[0]}")
+            scores = {"reward": state["reward"], **{f"vf/{k}": v for k, v in (state["metrics"] or {}).items()}}
+        out = {}
+        for key, value in scores.items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{_what(spec)}: the rubric's {key} is {value!r}, not a number") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{_what(spec)}: the rubric's {key} is {value} (NaN or inf is an error, not a "
+                                 "reward)")
+            out[key] = value
+        return out
 
 
 def _started_as_reward_worker() -> bool:

@@ -7,6 +7,11 @@ and one that calls ``os._exit`` (or crashes the interpreter) would end it silent
 module is first imported in a child (``python -I``, the reward worker's ``sys.path``: the working
 directory last) with a timeout; a hang or a death is one line naming the module. A module that
 merely fails to import (an exception) is left to ``import_callable``'s usual message.
+
+A verifiers environment (``env: {verifiers: ...}``) is loaded the same way first: its
+``load_environment`` runs in a supervised child within ``env.load_timeout_s``, so one that never
+returns, or ends the process (``os._exit``), is one line and exit 2, not a silent exit 0 (issue 57,
+V03 and V07); its exceptions and ``sys.exit`` are left to the trainer's own load, which names them.
 """
 
 from __future__ import annotations
@@ -21,11 +26,24 @@ from ..rewards.isolation import child_sys_path, describe_exit
 from .config import ConfigError
 
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_ENV_LOAD_TIMEOUT_S = 120.0  # env.load_timeout_s: verifiers' imports and a dataset build, on a busy host
 _OK = "grpolab-import-probe: ok"
 _CHILD = (
     "import importlib, json, sys\n"
     "sys.path[:] = json.loads(sys.argv[1])\n"
     "importlib.import_module(sys.argv[2])\n"
+    f"sys.stdout.write('\\n{_OK}\\n'); sys.stdout.flush()\n"
+)
+
+
+_ENV_CHILD = (
+    "import json, sys\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
+    "from grpolab.rewards.vf_rubric import load_vf_environment\n"
+    "try:\n"
+    "    load_vf_environment(sys.argv[2], json.loads(sys.argv[3]))\n"
+    "except ValueError:\n"
+    "    pass  # a failure the trainer's own load reports, in its usual words\n"
     f"sys.stdout.write('\\n{_OK}\\n'); sys.stdout.flush()\n"
 )
 
@@ -97,7 +115,39 @@ def code_specs(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def probe_environment(spec: str, args: dict | None, timeout_s: float = DEFAULT_ENV_LOAD_TIMEOUT_S) -> None:
+    """Build the verifiers environment ``spec`` (``load_environment(**args)``) in a supervised child;
+    a one-line ``ConfigError`` naming it if it does not return within ``timeout_s`` or ends the
+    process. A load that raises (or calls ``sys.exit``) passes: the trainer's load says which."""
+    if not isinstance(spec, str) or not spec.strip():
+        return  # the trainer's load refuses it in one line
+    source = str(os.path.abspath(os.path.expanduser(spec))) if spec.endswith(".py") else spec
+    what = f"env.verifiers {spec!r}"
+    try:
+        args_json = json.dumps(dict(args or {}))
+    except (TypeError, ValueError):
+        return  # not plain data: the trainer's load refuses it in one line
+    cmd = [sys.executable, "-I", "-c", _ENV_CHILD, json.dumps(child_sys_path(cwd_last=True)), source, args_json]
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                              errors="replace", start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{what}: load_environment did not return within {timeout_s:g} s (env.load_timeout_s); "
+                          "does it block or wait for input? raise env.load_timeout_s for a slow dataset") from None
+    if done.stdout.rstrip().endswith(_OK):
+        return
+    if done.returncode == 1 and "Traceback (most recent call last)" in done.stderr:
+        return  # an exception outside load_environment's own guard: the trainer's load reports it
+    raise ConfigError(f"{what}: load_environment ended the process ({describe_exit(done.returncode)}) before it "
+                      "returned; an environment must return, not exit or crash")
+
+
 def check_imports(cfg, timeout_s: float | None = None) -> None:
-    """``probe_import`` every reward and custom tool module of ``cfg``."""
+    """``probe_import`` every reward and custom tool module of ``cfg``; ``probe_environment`` its
+    verifiers environment."""
     for spec, what in code_specs(cfg):
         probe_import(spec, what, timeout_s)
+    env = getattr(cfg, "env", None)
+    if isinstance(env, dict) and env.get("verifiers"):
+        probe_environment(env["verifiers"], env.get("args"), float(env.get("load_timeout_s")
+                                                                   or DEFAULT_ENV_LOAD_TIMEOUT_S))

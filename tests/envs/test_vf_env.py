@@ -28,11 +28,11 @@ from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.rewards import RewardScorer  # noqa: E402
 from grpolab.rewards.vf_rubric import (  # noqa: E402
+    VfRubric,
     load_vf_environment,
     require_verifiers,
     rollout_state,
     signal_handlers_kept,
-    vf_rubric_reward,
 )
 from grpolab.training.config import ConfigError  # noqa: E402
 from grpolab.training.inputs import load_inputs, task_or_file  # noqa: E402
@@ -155,7 +155,7 @@ def test_load_failures_are_one_line_naming_the_environment(spec, args, says):
 def test_without_verifiers_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # what an interpreter without the package imports
     with pytest.raises(ValueError, match=r"^env.verifiers needs the verifiers package, which is not installed: "
-                                         r"pip install 'grpolab\[envs\]'"):
+                                         r"pip install -e '\.\[envs\]'"):
         require_verifiers()
 
 
@@ -209,8 +209,8 @@ def test_the_workers_score_exactly_what_verifiers_scores():
     truth = VerifiersTask(SUM_ENV).examples("train", 4)[3].answer  # "What is 3 + 0?"
     answer = truth["row"]["answer"]
     responses = [answer, str(int(answer) + 1), f"so it is {answer}", [{"role": "assistant", "content": answer}]]
-    with RewardScorer(vf_rubric_reward, timeout_s=60) as scorer:
-        assert scorer.mode == "process"  # module-level: rebuilt in a supervised worker by name
+    with RewardScorer(VfRubric(SUM_ENV), timeout_s=60) as scorer:
+        assert scorer.mode == "process"  # rebuilt in a supervised worker from its configured spec
         scores = scorer.score(responses, [truth] * len(responses))
         assert scorer.errors == 0, scorer.last_error
     expected = [verifiers_score(truth, r if isinstance(r, str) else r[-1]["content"]) for r in responses]
@@ -222,6 +222,7 @@ def test_the_workers_score_exactly_what_verifiers_scores():
 def test_a_rollouts_view_is_scored_by_its_messages_or_its_live_score():
     truth = VerifiersTask(SUM_ENV).examples("train", 4)[3].answer
     answer = truth["row"]["answer"]
+    vf_rubric_reward = VfRubric(SUM_ENV)
     assert vf_rubric_reward.reads_rollout  # RewardScorer hands it each rollout's view
     by_text = vf_rubric_reward(answer, truth)
     assert vf_rubric_reward({"response": answer, "messages": None, "info": {}}, truth) == by_text
@@ -235,7 +236,7 @@ def test_a_rollouts_view_is_scored_by_its_messages_or_its_live_score():
 
 def test_a_hanging_rubric_is_a_counted_timeout_not_a_stall():
     truth = VerifiersTask(BROKEN_ENV, {"kind": "hang"}).examples("train", 1)[0].answer
-    with RewardScorer(vf_rubric_reward, timeout_s=3) as scorer:
+    with RewardScorer(VfRubric(BROKEN_ENV, {"kind": "hang"}), timeout_s=3) as scorer:
         # the rubric sleeps 600 s: that this returns at all is the worker killed at the timeout, not waited for
         scores = scorer.score([truth["row"]["answer"]], [truth])
         assert scorer.mode == "process"
@@ -249,6 +250,7 @@ def test_nan_is_an_error_not_a_reward():
     state = rollout_state(env, truth["row"], [{"role": "assistant", "content": "1"}])
     asyncio.run(env.rubric.score_rollout(state))
     assert math.isnan(state["reward"])  # verifiers passes NaN through: grpolab must not
+    vf_rubric_reward = VfRubric(BROKEN_ENV, {"kind": "nan"})
     with pytest.raises(ValueError, match=r"the rubric's reward is nan \(NaN or inf is an error, not a reward\)$"):
         vf_rubric_reward("1", truth)
     with RewardScorer(vf_rubric_reward, timeout_s=60) as scorer:
@@ -258,10 +260,11 @@ def test_nan_is_an_error_not_a_reward():
 
 
 def test_a_bad_ground_truth_or_response_is_one_line():
-    with pytest.raises(ValueError, match=r"^vf_rubric_reward: expected the ground truth of a VerifiersTask example"):
+    vf_rubric_reward = VfRubric(SUM_ENV)
+    with pytest.raises(ValueError, match=r"^vf_rubric: expected the ground truth of a VerifiersTask example"):
         vf_rubric_reward("7", "7")
     truth = VerifiersTask(SUM_ENV).examples("train", 1)[0].answer
-    with pytest.raises(ValueError, match=r"^vf_rubric_reward: expected the response text, a list of chat messages"):
+    with pytest.raises(ValueError, match=r"^vf_rubric: expected the response text, a list of chat messages"):
         vf_rubric_reward(7, truth)
     with pytest.raises(ValueError, match=r"the row or completion is not verifiers chat messages \(ValidationError: "):
         vf_rubric_reward([{"role": "tool", "content": "5"}], truth)  # a tool message without its tool_call_id
@@ -284,11 +287,11 @@ def test_load_inputs_takes_the_environments_rows_chat_template_and_rubric(tmp_pa
     task = VerifiersTask(SUM_ENV)
     assert [e.question for e in inputs.train] == [e.question for e in task.examples("train", 10)]
     assert len(inputs.evals) == task.size("validation")  # a fixed evaluation set: its rows, up to eval_examples
-    assert inputs.reward is vf_rubric_reward and inputs.template.name == "chat"
+    assert isinstance(inputs.reward, VfRubric) and inputs.reward.env == SUM_ENV and inputs.template.name == "chat"
     prompt = inputs.template.format(inputs.train[0].question)
     assert prompt.startswith(f"<|im_start|>system\n{sum_env.SYSTEM_PROMPT}<|im_end|>") and "What is 0 + 0?" in prompt
     examples, _, reward = task_or_file(f"vf:{SUM_ENV}", 500, tokenizer=inputs.template.tokenizer)  # grpolab eval
-    assert len(examples) == task.size("test") and reward is vf_rubric_reward
+    assert len(examples) == task.size("test") and isinstance(reward, VfRubric)
     with pytest.raises(TemplateError, match="has no chat template"):  # the rows are conversations
         load_inputs(GRPOConfig(env={"verifiers": SUM_ENV}, task_train_size=10))
 

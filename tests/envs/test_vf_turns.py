@@ -21,7 +21,7 @@ from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.models.fused_head import response_log_probs  # noqa: E402
 from grpolab.models.tiny import build_tiny_model  # noqa: E402
 from grpolab.rewards.scoring import RewardScorer  # noqa: E402
-from grpolab.rewards.vf_rubric import vf_rubric_reward  # noqa: E402
+from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
 from grpolab.rollout import HFRolloutBackend, SamplingParams  # noqa: E402
 from grpolab.training.metric_logging import read_metrics  # noqa: E402
 from tests.envs.test_chat_tools import COMPACT_TOOLS, taught  # noqa: E402,F401 - the taught model fixture
@@ -71,7 +71,7 @@ def test_the_environment_drives_two_turns_and_the_trained_ids_are_the_sampled_on
         assert [m["role"] for m in r.messages] == ["assistant", "user", "assistant"]
         assert r.info["vf_score"]["turn_count"] == 2.0
     # the run's reward (in the reward workers) is the rubric's score on the live state
-    with RewardScorer(vf_rubric_reward, timeout_s=60) as scorer:
+    with RewardScorer(VfRubric(GAME), timeout_s=60) as scorer:
         scores = scorer.score([r.scored_response for r in out], [examples[r.prompt_index].answer for r in out],
                               rollouts=out)
     assert [s["reward"] for s in scores] == [r.info["vf_score"]["reward"] for r in out]
@@ -101,7 +101,7 @@ def test_a_tool_environments_python_tool_is_called_in_the_models_own_syntax(taug
     out = backend.generate([template.format(e.question) for e in examples], 1,
                            SamplingParams(temperature=0.3, max_tokens=120, seed=0))
     assert calls[calls_before:] == ["12+30", "50-8"]  # the environment's own function ran
-    with RewardScorer(vf_rubric_reward, timeout_s=60) as scorer:
+    with RewardScorer(task.reward_fn, timeout_s=60) as scorer:
         scores = scorer.score([r.scored_response for r in out], [e.answer for e in examples], rollouts=out)
     assert [s["reward"] for s in scores] == [1.0, 1.0]  # read from the conversation's last answer
     assert [s["vf/total_tool_calls"] for s in scores] == [1.0, 1.0]  # verifiers' own count of the calls

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from ...rewards.vf_rubric import environment_kind, load_vf_environment, tool_functions, vf_rubric_reward, vf_source
+from ...rewards.vf_rubric import VfRubric, environment_kind, load_vf_environment, tool_functions, vf_source
 from ..datasets import Example
 from .base import SPLITS, plain, split_of
 
@@ -27,7 +27,6 @@ class VerifiersTask:
     """A verifiers environment's dataset, drawn from like the embedded tasks: ``examples(split, n)``."""
 
     default_template = "chat"
-    reward_fn = staticmethod(vf_rubric_reward)
 
     def __init__(self, spec: str, args: dict[str, Any] | None = None, seed: int = 0):
         """``spec``: an installed environment's name, a module or a ``.py`` file defining
@@ -37,6 +36,7 @@ class VerifiersTask:
         self.spec, self.args, self.seed = spec, dict(args or {}), seed
         self.name = f"vf:{spec}"
         self.environment = load_vf_environment(self.source, self.args)
+        self.reward_fn = VfRubric(self.source, self.args)  # bound to this environment: data never chooses one
         self.kind = environment_kind(self.environment)
         self._rows: dict[str, list[tuple[int, dict]]] = {}
 
