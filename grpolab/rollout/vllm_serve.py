@@ -22,6 +22,13 @@ engines move CUDA tensors (NCCL, CUDA IPC); on a CPU there is none, so this modu
   dead server blocks until gloo's own timeout. The price: the server must run on the trainer's
   machine (checked at init: the worker must read a token the trainer wrote next to the buffer),
   which is where a CPU server belongs anyway — on a CUDA machine the NCCL engine is used.
+- trust (``rollout.vllm_server_io``): the buffer is a memfd the worker opens as
+  ``/proc/<trainer pid>/fd/<n>`` (only the trainer's user can); the worker maps only the file the
+  handshake named, owned by its own user, and refuses a second live trainer; and ``main`` adds
+  ``--middleware grpolab.rollout.vllm_serve.SecretMiddleware``: every route but ``/health`` needs
+  the header ``X-Grpolab-Secret`` with the server's secret (``GRPOLAB_VLLM_SERVER_SECRET`` in its
+  environment; a server started without one makes one and leaves it, 0600, in
+  ``~/.cache/grpolab/vllm-servers/port-<port>.secret`` for the trainers of its user).
 
 Registration: vLLM creates a worker's weight-transfer engine by name from
 ``WeightTransferEngineFactory``, in the worker's own process (on the CPU a spawned one). This
@@ -30,8 +37,9 @@ module registers ``grpolab_shm`` when it is imported, and ``main`` adds
 line: vLLM imports that class in every worker before it builds the engine, so the name is known
 there, whatever the start method (fork, spawn, Ray). ``main`` also sets ``VLLM_SERVER_DEV_MODE=1``
 (the weight-transfer and ``/reset_prefix_cache`` routes are dev routes) and, unless given,
-``--weight-transfer-config`` (``nccl`` with CUDA, ``grpolab_shm`` without). A plain ``vllm serve``
-works too with those two options and that environment variable.
+``--weight-transfer-config`` (``nccl`` with CUDA, ``grpolab_shm`` without) and the secret's
+middleware. A plain ``vllm serve`` works too with those options, that environment variable and
+``GRPOLAB_VLLM_SERVER_SECRET``.
 
 This module imports vLLM: it runs in the server's processes, never in the trainer (whose side is
 ``rollout.vllm_server``).
@@ -80,6 +88,7 @@ from .vllm import quiet_rotary_reload_warning  # noqa: E402
 
 SHM_ENGINE = "grpolab_shm"
 EXTENSION = "grpolab.rollout.vllm_serve.GrpolabWorkerExtension"
+MIDDLEWARE = "grpolab.rollout.vllm_serve.SecretMiddleware"
 
 
 @dataclass
@@ -89,6 +98,7 @@ class SharedMemoryInitInfo(WeightTransferInitInfo):
 
     probe_path: str
     token: str
+    weights_path: str = ""  # the only file update_weights may map
 
 
 @dataclass
@@ -116,18 +126,23 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.ready = False
+        self.ready, self.weights_path = False, None
 
     def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
         try:
             with open(init_info.probe_path) as f:
+                _check_owner(init_info.probe_path, os.fstat(f.fileno()))
                 seen = f.read()
         except OSError as exc:
             raise RuntimeError(f"the {SHM_ENGINE} weight transfer shares a file with the trainer, and this server "
-                               f"cannot read it ({exc}): run the server on the trainer's machine") from exc
+                               f"cannot read it ({exc}): run the server on the trainer's machine, as its user") from exc
         if seen != init_info.token:
             raise RuntimeError(f"{init_info.probe_path} does not hold the trainer's token: another machine's file")
-        self.ready = True
+        holder = _trainer_pid(self.weights_path)
+        if self.ready and holder is not None and holder != _trainer_pid(init_info.weights_path) and _alive(holder):
+            raise RuntimeError(f"this vLLM server already has a trainer (pid {holder}): one trainer per server; "
+                               "start another server for this run")
+        self.weights_path, self.ready = init_info.weights_path or None, True
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -146,6 +161,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
     def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
         if not self.ready:
             raise RuntimeError(f"{SHM_ENGINE}: init_weight_transfer_engine first")
+        if self.weights_path is not None and update_info.path != self.weights_path:
+            raise RuntimeError(f"{SHM_ENGINE}: update_weights names {update_info.path!r}, not the file of the "
+                               "trainer's handshake")
+        _check_owner(update_info.path, os.stat(update_info.path))
         size = os.path.getsize(update_info.path)
         buffer = torch.from_file(update_info.path, shared=True, size=size, dtype=torch.uint8)
         weights = []
@@ -161,7 +180,57 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
             self.model.load_weights(iter(weights))
 
     def shutdown(self) -> None:
-        self.ready = False
+        self.ready, self.weights_path = False, None
+
+
+def _check_owner(path: str, st: os.stat_result) -> None:
+    """A weight file must be this user's, and (a named file) readable by no other user; a
+    ``/proc/<pid>/fd/<n>`` memfd is guarded by /proc itself (only the same user opens it)."""
+    if st.st_uid != os.getuid() or (not path.startswith("/proc/") and st.st_mode & 0o077):
+        raise PermissionError(f"{SHM_ENGINE}: {path} is not a private file of this server's user (owner uid "
+                              f"{st.st_uid}, mode {st.st_mode & 0o777:o}): refused")
+
+
+def _trainer_pid(path: str | None) -> int | None:
+    parts = (path or "").split("/")
+    return int(parts[2]) if len(parts) > 3 and parts[1] == "proc" and parts[2].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+
+
+class SecretMiddleware:
+    """ASGI middleware (``--middleware``): every route but ``/health`` and ``/ping`` answers 401
+    unless the request carries the header ``X-Grpolab-Secret`` with the server's secret
+    (``GRPOLAB_VLLM_SERVER_SECRET``, set by ``main``)."""
+
+    def __init__(self, app) -> None:
+        from .vllm_server_io import SECRET_ENV, secret_digest
+
+        self.app, self.digest = app, secret_digest(os.environ[SECRET_ENV])
+
+    async def __call__(self, scope, receive, send):
+        from .vllm_server_io import OPEN_ROUTES, SECRET_HEADER, secret_digest
+
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+            given = dict(scope.get("headers") or []).get(SECRET_HEADER.lower().encode(), b"")
+            import hmac
+
+            if not hmac.compare_digest(secret_digest(given.decode(errors="replace")), self.digest):
+                from starlette.responses import JSONResponse
+
+                response = JSONResponse({"error": {"message": "this grpolab vLLM server needs its secret (header "
+                                                              f"{SECRET_HEADER})"}}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _numel(shape) -> int:
@@ -192,6 +261,8 @@ def serve_argv(argv: list[str]) -> list[str]:
     """vLLM's command line for ``argv`` (``serve MODEL ...``): the worker extension and the
     weight-transfer engine added unless given."""
     argv = list(argv)
+    if MIDDLEWARE not in argv:
+        argv += ["--middleware", MIDDLEWARE]
     if "--worker-extension-cls" not in argv:
         argv += ["--worker-extension-cls", EXTENSION]
     if "--weight-transfer-config" not in argv:
@@ -214,13 +285,32 @@ def _vllm_version_under_its_name() -> None:
         metadata.version = lambda name: vllm.__version__ if name == "vllm" else lookup(name)
 
 
+def _port(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a == "--port" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--port="):
+            return a.split("=", 1)[1]
+    return "8000"  # vLLM's default
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``vllm`` with ``argv`` (default: this process's arguments, ``serve MODEL ...``) through ``serve_argv``."""
+    """``vllm`` with ``argv`` (default: this process's arguments, ``serve MODEL ...``) through
+    ``serve_argv``; without ``GRPOLAB_VLLM_SERVER_SECRET`` a secret is made and left for this
+    user's trainers (``vllm_server_io.secret_file``)."""
+    from .vllm_server_io import SECRET_ENV, new_secret, write_secret_file
+
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if not os.environ.get(SECRET_ENV):
+        os.environ[SECRET_ENV] = new_secret()
+        path = write_secret_file(_port(argv), os.environ[SECRET_ENV])
+        print(f"grpolab: this server's secret is in {path} (readable by this user only); trainers of this user "
+              "find it there, others need GRPOLAB_VLLM_SERVER_SECRET", file=sys.stderr, flush=True)
     _vllm_version_under_its_name()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", *serve_argv(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["vllm", *serve_argv(argv)]
     vllm_main()
 
 

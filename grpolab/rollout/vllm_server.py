@@ -40,6 +40,7 @@ weights are in.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +59,7 @@ import torch
 from .base import Rollout, SamplingParams, model_end_ids, prompt_token_ids
 from .vllm import _engine_dir
 from .vllm_server_io import (  # noqa: F401 - VLLMServerError, check_vllm_server_options: this module's API
+    SECRET_ENV,
     VLLMServerError,
     _free_port,
     _http,
@@ -67,6 +69,8 @@ from .vllm_server_io import (  # noqa: F401 - VLLMServerError, check_vllm_server
     _server_threads_env,
     _SharedMemorySender,
     check_vllm_server_options,
+    find_secret,
+    new_secret,
 )
 
 SERVED_NAME = "grpolab"
@@ -74,6 +78,27 @@ LOG_TAIL_LINES = 6
 POLL_S = 0.2  # how often a wait checks the server process
 # set for a server grpolab starts: each of its processes dies with its parent (``vllm_serve``)
 DIE_WITH_PARENT_ENV = "GRPOLAB_VLLM_DIE_WITH_PARENT"
+
+
+def server_root(url: str) -> str:
+    """A server's root URL: no trailing slash, and an OpenAI base URL's ``/v1`` dropped (S10)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _hint(status: int, what: str) -> str:
+    """What to do about an HTTP refusal of the server, by its status."""
+    if status == 401:
+        return (" (the server needs its secret: a server started apart with python -m grpolab.rollout.vllm_serve "
+                "serve leaves it for its own user in ~/.cache/grpolab/vllm-servers/; run the trainer as that user "
+                "or set GRPOLAB_VLLM_SERVER_SECRET)")
+    if status in (200, 404):  # a page that is not JSON, a route it does not have
+        return (" (is vllm_server_url the root of a vLLM server started with python -m grpolab.rollout.vllm_serve "
+                "serve, such as http://127.0.0.1:8000?)")
+    if "weight" in what and status >= 500:
+        return (" (does the server serve this run's model? It must be started on the policy's config and "
+                "tokenizer, and serve one trainer at a time)")
+    return ""
 
 
 class VLLMServerBackend:
@@ -98,6 +123,7 @@ class VLLMServerBackend:
         self._stop_ids: dict[tuple[str, ...], dict[int, str]] = {}
         self._proc: subprocess.Popen | None = None
         self._dir, self._log_dir, self._sender, self._died = None, None, None, False
+        self._secret = None  # the server's secret (``vllm_server_io``): made here for a server started here
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency + 2, thread_name_prefix="grpolab-vllm-http")
         dist = torch.distributed
         self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -118,10 +144,15 @@ class VLLMServerBackend:
                         error = exc
                 url = self._share([url, None if error is None else f"{type(error).__name__}: {error}"], error)
             else:
-                url = server_url.rstrip("/")
+                url = server_root(server_url)
+                self._secret = find_secret(url)
             self.url = url
             info = self._call("GET", "/v1/models", None, "the model list")
-            served = info["data"][0]
+            models = info.get("data") if isinstance(info, dict) else None
+            if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+                raise VLLMServerError(f"the vLLM server at {url} serves no model (its /v1/models answer has no "
+                                      f"entry): is vllm_server_url a vLLM server? It answered {str(info)[:120]!r}")
+            served = models[0]
             self.served_model, self.max_model_len = served["id"], int(served.get("max_model_len") or 0) or None
             if self._rank == 0:
                 self._sender = self._make_sender(server_url is None)
@@ -165,6 +196,7 @@ class VLLMServerBackend:
             cmd += ["--enable-sleep-mode"]
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        self._secret = env[SECRET_ENV] = new_secret()  # in its environment: a command line is public
         env[DIE_WITH_PARENT_ENV] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
@@ -216,7 +248,8 @@ class VLLMServerBackend:
         return self._call("POST", path, body, what)
 
     def _call(self, method: str, path: str, body: dict | None, what: str):
-        return self._wait([self._pool.submit(_http, self.url + path, body, self.timeout_s, method)], what)[0]
+        return self._wait([self._pool.submit(_http, self.url + path, body, self.timeout_s, method, self._secret)],
+                          what)[0]
 
     def _wait(self, futures: list, what: str) -> list:
         """The futures' results; a VLLMServerError as soon as the server is dead or has answered
@@ -258,7 +291,7 @@ class VLLMServerBackend:
             except VLLMServerError as dead:
                 return dead
         if isinstance(exc, _Refused):
-            return RuntimeError(f"the vLLM server at {self.url} refused {what}: {exc}")
+            return VLLMServerError(f"the vLLM server at {self.url} refused {what}: {exc}{_hint(exc.status, what)}")
         if isinstance(exc, (OSError, urllib.error.URLError)):
             return VLLMServerError(f"the vLLM server at {self.url} stopped answering during {what} ({exc})")
         return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
@@ -311,7 +344,8 @@ class VLLMServerBackend:
         if sender is not None:
             if proc is None and getattr(self, "url", None):
                 try:  # a server we connected to: free its transfer engine for the next trainer
-                    _http(self.url + "/shutdown_weight_transfer_engine", {}, timeout=min(self.timeout_s, 10.0))
+                    _http(self.url + "/shutdown_weight_transfer_engine", {}, min(self.timeout_s, 10.0),
+                          secret=self._secret)
                 except Exception:
                     pass
             sender.close()
@@ -372,20 +406,43 @@ class VLLMServerBackend:
         bodies = [dict(common, prompt=list(p), seed=base + i * n) for i, p in enumerate(ids) for _ in range(copies)]
         with self._turn:
             self._wake()
-            futures = [self._pool.submit(_http, self.url + "/v1/completions", b, self.timeout_s) for b in bodies]
+            futures = [self._pool.submit(_http, self.url + "/v1/completions", b, self.timeout_s, None, self._secret)
+                       for b in bodies]
             outputs = self._wait(futures, f"a generate call of {len(futures)} requests")
             self.sleep()
         rollouts = []
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         for r, out in enumerate(outputs):
             p = r // copies
-            for c in out["choices"]:
-                rollouts.append(self._rollout(prompts[p], ids[p], p, c, single))
+            choices = out.get("choices") if isinstance(out, dict) else None
+            if not isinstance(choices, list) or len(choices) != per_request:
+                raise VLLMServerError(f"the vLLM server at {self.url} answered a completion request of n="
+                                      f"{per_request} with {len(choices) if isinstance(choices, list) else 'no'} "
+                                      "choices: not a vLLM server grpolab can sample from")
+            for c in choices:
+                try:
+                    rollouts.append(self._rollout(prompts[p], ids[p], p, c, single, vocab))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise VLLMServerError(f"the vLLM server at {self.url} answered a completion grpolab cannot use "
+                                          f"({type(exc).__name__}: {exc}): serve with python -m "
+                                          "grpolab.rollout.vllm_serve serve (it returns token ids and "
+                                          "processed log-probs)") from None
         return rollouts
 
     @staticmethod
-    def _rollout(prompt: str, prompt_ids: list[int], index: int, c: dict, single: dict[int, str]) -> Rollout:
+    def _rollout(prompt: str, prompt_ids: list[int], index: int, c: dict, single: dict[int, str],
+                 vocab: int | None = None) -> Rollout:
+        if "token_ids" not in c or not isinstance(c.get("logprobs"), dict):
+            raise KeyError("no token_ids" if "token_ids" not in c else "no logprobs")
         response_ids = [int(t) for t in c["token_ids"]]
         logprobs = [float(lp) for lp in c["logprobs"]["token_logprobs"]]
+        bad = [t for t in response_ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}: does the server serve "
+                             "this run's model?")
+        if len(logprobs) != len(response_ids) or not all(math.isfinite(lp) and lp <= 0 for lp in logprobs):
+            raise ValueError(f"{len(logprobs)} log-probs for {len(response_ids)} tokens, or one not a finite log-prob "
+                             f"(e.g. {next((lp for lp in logprobs if not math.isfinite(lp) or lp > 0), None)})")
         text, stop_reason = c["text"], c.get("stop_reason")
         if c["finish_reason"] == "length":
             reason = "length"

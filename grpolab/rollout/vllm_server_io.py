@@ -1,12 +1,25 @@
 """The vLLM server backend's plumbing (``rollout.vllm_server``): HTTP calls with a timeout and no
-proxy, a free local port, stopping a process group, the server's CPU threads, and the two weight
-senders of the trainer's side — grpolab's shared-memory engine (the CPU) and vLLM's NCCL engine
-(CUDA)."""
+proxy, a free local port, stopping a process group, the server's CPU threads, the per-run secret
+the server's routes require, and the two weight senders of the trainer's side — grpolab's
+shared-memory engine (the CPU) and vLLM's NCCL engine (CUDA).
+
+Trust: a server's weight routes change what every later batch is sampled from, so they are
+the trainer's alone. The server ``vllm_serve`` runs refuses every route but ``/health`` without
+the header ``SECRET_HEADER`` holding its secret (``SECRET_ENV``): the trainer makes one per run
+and puts it in the environment of the server it starts (never on the command line, which every
+local user can read); a server started apart makes its own and leaves it in a file only its user
+can read (``secret_file``), where a trainer of the same user finds it by the server's port. The
+weights cross in a memfd (no name in ``/dev/shm``, freed with the last process that holds it,
+even after SIGKILL) that the server opens as ``/proc/<trainer pid>/fd/<n>``, which only the
+trainer's user may."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +37,82 @@ from .base import RolloutBackendError
 from .vllm import vllm_unavailable_reason
 
 CHUNK_BYTES = 64 << 20  # the shared-memory buffer: one chunk of parameters per /update_weights
+SECRET_ENV = "GRPOLAB_VLLM_SERVER_SECRET"  # the server's secret, in its environment (module docstring)
+SECRET_HEADER = "X-Grpolab-Secret"
+OPEN_ROUTES = ("/health", "/ping")  # answered without the secret: liveness only
+WEIGHTS_PREFIX = "grpolab-weights-"  # /dev/shm files of earlier releases: grpolab-weights-<pid>-<hex>
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def secret_file(port: int | str) -> Path:
+    """Where a server started apart (``python -m grpolab.rollout.vllm_serve serve``) leaves its
+    secret for the trainers of its user: ``~/.cache/grpolab/vllm-servers/port-<port>.secret``
+    (the folder 0700, the file 0600)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "grpolab" / "vllm-servers" / f"port-{port}.secret"
+
+
+def write_secret_file(port: int | str, secret: str) -> Path:
+    path = secret_file(port)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    os.replace(tmp, path)
+    return path
+
+
+def find_secret(server_url: str) -> str | None:
+    """The secret for a server reached by URL: ``$GRPOLAB_VLLM_SERVER_SECRET``, else the file a
+    server of this user started apart left for its port (``secret_file``), else None."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    match = re.match(r"https?://[^/:]+:(\d+)", server_url)
+    path = secret_file(match.group(1) if match else 80)
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return path.read_text().strip() or None
+    except OSError:
+        pass
+    return None
+
+
+def secret_digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def remove_stale_weight_files(folder: str = "/dev/shm") -> list[str]:
+    """Remove this user's ``grpolab-weights-<pid>-*`` files whose process is gone (a trainer of an
+    earlier release killed outright left them: 64 MB or more of RAM each); the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(WEIGHTS_PREFIX + r"(\d+)-[0-9a-f]+(\.probe)?", name)
+        if match is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        except OSError:  # alive under another user (PermissionError), or gone meanwhile
+            continue
+    return removed
 
 
 class VLLMServerError(RolloutBackendError):
@@ -69,10 +158,13 @@ class _Refused(Exception):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server: no proxy
 
 
-def _http(url: str, body: dict | None, timeout: float, method: str | None = None):
+def _http(url: str, body: dict | None, timeout: float, method: str | None = None, secret: str | None = None):
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers[SECRET_HEADER] = secret
     request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             raw = response.read()
@@ -84,7 +176,11 @@ def _http(url: str, body: dict | None, timeout: float, method: str | None = None
         except (ValueError, AttributeError):
             pass
         raise _Refused(exc.code, " ".join(str(detail).split())[:500]) from None
-    return json.loads(raw) if raw.strip() else None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:  # e.g. an HTML page: not a vLLM server
+        text = " ".join(raw[:200].decode(errors="replace").split())
+        raise _Refused(200, f"an answer that is not JSON ({text!r}): not a vLLM server") from None
 
 
 def _free_port() -> int:
@@ -139,22 +235,43 @@ def _server_threads_env(env: dict, threads: int) -> None:
 
 class _SharedMemorySender:
     """The trainer side of ``grpolab_shm`` (``vllm_serve``): parameters copied one by one into a
-    file in ``/dev/shm``, posted as a chunk whenever the next one would not fit."""
+    shared buffer, posted as a chunk whenever the next one would not fit. The buffer is a memfd
+    (Linux): it has no name in ``/dev/shm``, so nothing is left there when either side is killed,
+    and the server opens it as ``/proc/<this pid>/fd/<n>``, which only this user's processes can.
+    Elsewhere it is a 0600 file in a 0700 folder of its own."""
 
     ALIGN = 64
 
     def __init__(self, post, chunk_bytes: int = CHUNK_BYTES):
         self.post, self.chunk_bytes = post, chunk_bytes
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.path = os.path.join(folder, f"grpolab-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        self.capacity, self.buffer, self.chunks_sent = 0, None, 0
-        probe, token = self.path + ".probe", uuid.uuid4().hex
-        Path(probe).write_text(token)
+        self.capacity, self.buffer, self.chunks_sent, self._dir = 0, None, 0, None
+        remove_stale_weight_files()
+        self.fd, self.path = self._open("weights")
+        probe_fd, probe = self._open("probe")
+        token = uuid.uuid4().hex
         try:
-            self.post("/init_weight_transfer_engine", {"init_info": {"probe_path": probe, "token": token}},
+            os.write(probe_fd, token.encode())
+            self.post("/init_weight_transfer_engine",
+                      {"init_info": {"probe_path": probe, "token": token, "weights_path": self.path}},
                       "the weight-transfer handshake")
+        except BaseException:
+            self.close()
+            raise
         finally:
-            os.unlink(probe)
+            os.close(probe_fd)
+            if self._dir is not None and os.path.exists(probe):
+                os.unlink(probe)
+
+    def _open(self, name: str) -> tuple[int, str]:
+        """A new shared file for this user alone: (its descriptor, the path the server opens)."""
+        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+            fd = os.memfd_create(f"grpolab-{name}", getattr(os, "MFD_CLOEXEC", 0))
+            return fd, f"/proc/{os.getpid()}/fd/{fd}"
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="grpolab-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                         else None)  # 0700
+        path = os.path.join(self._dir, name)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600), path
 
     def _reserve(self, nbytes: int) -> None:
         """The file and its mapping hold at least ``nbytes`` (grown only for one parameter larger
@@ -163,9 +280,9 @@ class _SharedMemorySender:
             return
         self.buffer = None
         self.capacity = max(nbytes, self.chunk_bytes)
-        with open(self.path, "ab") as f:
-            f.truncate(self.capacity)
-        self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
+        os.ftruncate(self.fd, self.capacity)
+        self.buffer = torch.from_file(f"/proc/self/fd/{self.fd}" if self._dir is None else self.path, shared=True,
+                                      size=self.capacity, dtype=torch.uint8)
 
     def send(self, weights) -> None:
         self.post("/start_weight_update", None, "start_weight_update")
@@ -198,10 +315,14 @@ class _SharedMemorySender:
 
     def close(self) -> None:
         self.buffer = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self._dir is not None:
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 class _NcclSender:
