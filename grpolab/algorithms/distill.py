@@ -141,6 +141,11 @@ def load_teacher(cfg: DistillConfig, student, tokenizer, device):
         path = str(Path(path).expanduser())
         if not Path(path).exists():
             raise ModelLoadError(f"teacher {cfg.teacher}: no such model directory")
+        if Path(path).is_dir() and not (Path(path) / "config.json").exists():  # D06: a run directory
+            inner = next((Path(path) / d for d in ("final", "model") if (Path(path) / d / "config.json").exists()),
+                         None)
+            raise ModelLoadError(f"teacher {cfg.teacher}: no config.json, not a Hugging Face model directory"
+                                 + (f"; a run directory? give its model: --teacher {inner}" if inner else ""))
     # the student's precision: fp32 weights (dtype bfloat16 is autocast over them) and the same head (C5-1)
     teacher, teacher_tokenizer = load_model_and_tokenizer(path, dtype=cfg.teacher_dtype or "float32", device=device,
                                                           seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
@@ -149,6 +154,10 @@ def load_teacher(cfg: DistillConfig, student, tokenizer, device):
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"teacher {cfg.teacher}: its tokenizer differs from the student's ({len(teacher_tokenizer)} "
                          f"vs {len(tokenizer)} tokens): on-policy distillation scores the student's own token ids")
+    # D08/D10: a NaN/inf weight, found before the run directory (and a resumed run's metrics) is touched
+    broken = next((name for name, p in teacher.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if broken is not None:
+        raise ValueError(f"teacher {cfg.teacher}: its weight {broken} holds NaN or inf: a broken model")
     sizes = [m.get_input_embeddings().weight.shape[0] for m in (teacher, student)]
     if sizes[0] != sizes[1]:
         raise ValueError(f"teacher {cfg.teacher}: vocabulary of {sizes[0]} rows, the student's has {sizes[1]}")

@@ -249,4 +249,6 @@ def test_nan_teacher_log_probs_are_one_line(tmp_path):
     with torch.no_grad():
         teacher.model.norm.weight.fill_(float("nan"))
     save_model_and_tokenizer(teacher, tok, tmp_path / "teacher")
-    one_line(cli(tmp_path, "--teacher", tmp_path / "teacher"), "non-finite log-prob at step 0")
+    # its weights are checked before anything runs (reliability case D08/D10): the weight is named
+    one_line(cli(tmp_path, "--teacher", tmp_path / "teacher"), "model.norm.weight holds NaN or inf")
+    assert not (tmp_path / "run").exists()
