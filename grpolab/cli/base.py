@@ -81,12 +81,27 @@ def main() -> None:
     registered by importing ``grpolab.cli``)."""
     import sys
 
+    _working_directory_last(sys.path)
     try:
         app(args=boolean_flag_values(sys.argv[1:]), prog_name="grpolab")
     except (ImportError, MemoryError) as exc:
         if not isinstance(exc, MemoryError) and not any(sign in str(exc) for sign in OUT_OF_MEMORY):
             raise
         sys.exit(f"grpolab: error: out of memory ({_address_limit()}): {_last_line(exc)}")
+
+
+def _working_directory_last(path: list[str]) -> None:
+    """The console script imports ``module:function`` rewards, tools and environments from the
+    working directory as ``python -m grpolab`` does (reliability case O01), searched last, after
+    the installed packages (docs/guides/safety-and-recovery.md), as the reward workers search it."""
+    cwd = os.getcwd()
+    for entry in path:
+        try:
+            if entry in ("", ".") or os.path.samefile(entry, cwd):
+                return
+        except OSError:
+            continue
+    path.append(cwd)
 
 
 # how a shared library that cannot be mapped (an address-space limit, ulimit -v) reads as an ImportError
