@@ -373,7 +373,12 @@ RESUME_MAY_CHANGE = (
     "eval_every", "eval_examples", "checkpoint_every", "keep_last", "report_to", "tracker_project", "tracker_entity",
     "tracker_run_name", "show_progress",
     "log_generations_samples", "run_dir", "device", "token_record_groups", "threads", "keep_freed_memory",
+    "sampler_threads",  # like threads: how fast, not what (reliability case A15)
 )
+# Fields that may be turned off on resume: an asynchronous run's checkpoint resumed synchronously
+# (``max_staleness: 0``) drops its in-flight batches and regenerates them from the position after the
+# last trained one (docs/guides/async-rollouts.md; reliability case A14).
+RESUME_MAY_TURN_OFF = ("max_staleness",)
 
 
 @dataclass
@@ -396,5 +401,6 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any], steps_field: str)
     for key in sorted(saved):  # a field the saved run did not have (a newer grpolab) cannot have changed
         old, value = saved.get(key), new.get(key)
         if old != value and not (isinstance(old, (list, tuple)) and list(old) == list(value or [])):
-            (allowed if key in may_change else refused)[key] = (old, value)
+            (allowed if key in may_change or (key in RESUME_MAY_TURN_OFF and not value) else refused)[key] = \
+                (old, value)
     return ResumeChanges(allowed, refused, may_change)
