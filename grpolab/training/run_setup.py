@@ -89,7 +89,10 @@ def resolve_auto_dtype(cfg, model, device: torch.device, probe: bool) -> None:
     kw = {} if probe else {"measure": None}
     cfg.dtype, line = choose_dtype("auto", device, model_shape(model), **kw)
     if cfg.dtype == "bfloat16":
-        cfg.logits_fp32 = True  # load_run_model then puts the head in fp32
+        if "logits_fp32" in getattr(cfg, "model_fields_set", ()) and not cfg.logits_fp32:  # T03: kept as given
+            line = line.replace("logits and log-softmax in fp32", "logits in bf16: logits_fp32 false as given")
+        else:
+            cfg.logits_fp32 = True  # load_run_model then puts the head in fp32
     print(f"grpolab: {line} (set dtype to choose)", file=sys.stderr)
 
 
