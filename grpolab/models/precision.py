@@ -9,14 +9,14 @@ head calls this forward for each chunk), the Hugging Face rollout forward, and t
 (``rollout.fast_decoder`` reads ``logits_fp32_enabled``). The rest of the model keeps its autocast
 precision. vLLM computes its own logits and is not affected.
 
-The switch is an instance-level ``forward`` of the head module (a bound method), so it follows the
-module through ``copy.deepcopy`` (the sampler's replica, the frozen reference), LoRA and engine
-wrappers; state dicts and saved model directories are unchanged.
+The switch is an instance-level ``forward`` of the head module (``Fp32HeadForward``, a callable
+bound to its head like a method), so it follows the module through ``copy.deepcopy`` (the sampler's
+replica, the frozen reference), pickling (the spawned sampler process of ``max_staleness >= 1``:
+a plain bound method does not unpickle, C5-2), LoRA and engine wrappers; state dicts and saved
+model directories are unchanged.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,22 @@ def _fp32_head_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Ten
             bias = None if self.bias is None else self.bias.float()
             return F.linear(hidden.float(), self.weight.float(), bias)
         return type(self).forward(self, hidden.float(), *args, **kwargs)
+
+
+class Fp32HeadForward:
+    """``_fp32_head_forward`` bound to ``head`` (``__self__``, as a bound method): stored as the head's
+    instance ``forward``. Unlike ``types.MethodType`` it pickles (with its head, which the pickle
+    memo resolves) as well as it deep-copies."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.__self__ = head
+
+    @property
+    def __func__(self):
+        return _fp32_head_forward
+
+    def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return _fp32_head_forward(self.__self__, hidden, *args, **kwargs)
 
 
 def output_projection(model) -> torch.nn.Module:
@@ -48,8 +64,7 @@ def logits_fp32_enabled(model) -> bool:
         head = output_projection(model)
     except ValueError:
         return False
-    forward = head.__dict__.get("forward")
-    return getattr(forward, "__func__", None) is _fp32_head_forward
+    return isinstance(head.__dict__.get("forward"), Fp32HeadForward)
 
 
 def set_logits_fp32(model, on: bool = True):
@@ -57,7 +72,7 @@ def set_logits_fp32(model, on: bool = True):
     even under bf16 autocast (``on=False`` restores the head's own forward). Returns ``model``."""
     head = output_projection(model)
     if on:
-        head.forward = types.MethodType(_fp32_head_forward, head)
+        head.forward = Fp32HeadForward(head)
     elif logits_fp32_enabled(model):
         del head.forward
     return model

@@ -72,6 +72,14 @@ def test_async_grpo_with_the_calculator_tool(grpo_config):
     assert all(s["tools/turns"] >= 1.0 for s in steps)
 
 
+def test_c5_2_async_grpo_starts_its_sampler_with_the_fp32_head_under_bf16(grpo_config):
+    """C5-2: dtype bfloat16 + logits_fp32 (what dtype auto gives wherever it picks bf16): the sampler process
+    unpickles the fp32 head and trains, the head fp32 on both sides (was: the child died during start)."""
+    steps = steps_of(train_grpo(grpo_config(reward=DIGIT, n_grpo_steps=2, max_staleness=1, dtype="bfloat16",
+                                            logits_fp32=True, eval_examples=2)))
+    assert [s["async/staleness_max"] for s in steps] == [0, 1]
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"rollout_backend": "vllm"}, "use rollout_backend hf"),
     ({"importance_sampling_correction": "none"}, "would weigh every token as if on-policy"),

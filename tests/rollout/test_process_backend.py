@@ -121,3 +121,31 @@ def test_a_script_without_a_main_guard_is_not_run_again_in_the_child(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("2")
     assert marker.read_text() == "run\n"
+
+
+def test_c5_2_a_model_the_child_cannot_unpickle_is_one_line_not_a_blocked_write(tmp_path):
+    """C5-2: the spawn payload is written whole before CPython sees the child die, so a model that fails
+    to unpickle in the child (an instance-bound fp32 head did) and is larger than a pipe's buffer
+    blocked the trainer for good; the weights now go through the pipe, read whole, and fail in one line."""
+    script = tmp_path / "unpicklable.py"
+    script.write_text(textwrap.dedent("""
+        from grpolab.models import load_model_and_tokenizer
+        from grpolab.rollout.process import ProcessRolloutBackend, SamplerProcessError
+
+        class OnlyInTheParent:  # __main__ is not imported in the child: it does not unpickle there
+            pass
+
+        model, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+        model.only_in_the_parent = OnlyInTheParent()
+        model.payload = b"x" * (8 << 20)  # unpickled after it: far past a pipe's buffer
+        try:
+            ProcessRolloutBackend(model, tok)
+        except SamplerProcessError as exc:
+            print("ERROR", exc)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and "could not start" in lines[0] and "OnlyInTheParent" in lines[0], out.stdout
