@@ -173,7 +173,7 @@ def sampler_backend(cfg, model, tokenizer, make, generator):
         backend = ProcessRolloutBackend(model, tokenizer, threads=cfg.sampler_threads,
                                         max_batch_size=cfg.rollout_max_batch_size,
                                         autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None,
-                                        seed=cfg.seed)
+                                        seed=cfg.seed, check_sync=cfg.check_weight_sync)
         return backend, backend, lambda b: backend.reseed(seed_of(b))
     backend = make()
     return backend, StagedWeights(backend), lambda b: generator.manual_seed(seed_of(b))

@@ -9,6 +9,7 @@ backend samples from the training model itself, so its ``sync_weights`` does not
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -96,6 +97,54 @@ class Rollout:
         """The text a reward reads: only what the model wrote. A tool's observation (a retrieved
         passage, a custom tool's output) can never plant the answer the verifier scores."""
         return self.response if self.model_response is None else self.model_response
+
+
+class WeightSyncError(RolloutBackendError):
+    """The sync canary: after a weight sync the sampler's weights differ from the trainer's (a tensor
+    not sent, or not loaded: veRL #7495's LoRA sync delivered nothing for two months). One line."""
+
+
+CANARY_VALUES = 65_536  # values a tensor's fingerprint reads at most (a fixed stride over the flat tensor)
+
+
+def tensor_sums(t, max_values: int | None = CANARY_VALUES) -> tuple[float, float, int]:
+    """``(sum, sum of squares, count)`` of a tensor's values, accumulated in float64: the canary's
+    fingerprint, over every ``ceil(numel / max_values)``-th value (the same ones on both sides of a
+    sync; a stale or unloaded tensor moved everywhere an update moved it). The squares are taken in
+    the tensor's own dtype, so equal tensors give equal terms and only the addition order may differ."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if max_values is not None and flat.numel() > max_values:
+        flat = flat[:: -(-flat.numel() // max_values)]
+    return float(flat.sum(dtype=torch.float64)), float((flat * flat).sum(dtype=torch.float64)), flat.numel()
+
+
+def sums_differ(a: tuple[float, float, int], b: tuple[float, float, int]) -> bool:
+    """Whether two ``tensor_sums`` are of different tensors: beyond the error of adding the same n
+    float64 terms in another tree order (16 log2(n) eps64 of the terms' magnitude; ``sqrt(n x sum of
+    squares)`` bounds it for the plain sum). Equal tensors in the sampler's dtype give equal terms, so
+    the tolerance is float64's, not the sampler dtype's."""
+    if a[2] != b[2]:
+        return True
+    n = max(a[2], 1)
+    eps = 16 * math.log2(n + 1) * 2.0 ** -52
+    scale_sq = max(abs(a[1]), abs(b[1]))
+    return abs(a[1] - b[1]) > eps * scale_sq + 1e-300 or abs(a[0] - b[0]) > eps * (n * scale_sq) ** 0.5 + 1e-300
+
+
+def sync_problem(expected: dict, held: dict, aliases: list[list[str]]) -> str | None:
+    """What is wrong with a sync, in words, or None: ``expected`` maps each name sent to its
+    ``tensor_sums`` (as cast to the sampler's dtype), ``held`` each name the sampler holds to the
+    sums of what it holds; ``aliases`` groups the sampler's names of one tensor (tied weights:
+    sending either name suffices)."""
+    for names in aliases:
+        sent = [n for n in names if n in expected]
+        if not sent:
+            return f"{names[0]} was not sent (the sampler kept its old value)"
+        if sums_differ(expected[sent[0]], held[names[0]]):
+            return f"{names[0]} differs (sum {held[names[0]][0]:.9g} held vs {expected[sent[0]][0]:.9g} sent)"
+    return None
 
 
 class RolloutBackend(Protocol):

@@ -2,9 +2,8 @@
 copy of the weights while the trainer's process trains (``max_staleness >= 1``, no vLLM needed).
 
 Weights move through shared memory. The parent keeps a *staging* copy of the sampling model whose
-tensors live in shared memory (``share_memory()``); the child process is sent that module through
-its pipe once started (torch's multiprocessing passes shared tensors by handle, nothing is copied;
-not in the spawn payload, whose write blocks for good when the child dies reading it) and builds its
+tensors live in shared memory (``share_memory()``); the child process is given that module at
+spawn (torch's multiprocessing passes shared tensors by handle, nothing is copied) and builds its
 own private *live* copy, which its ``HFRolloutBackend`` samples from. A weight update is two steps
 so that the trainer never waits on a generation in progress:
 
@@ -26,14 +25,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import signal
 import sys
 import threading
 from typing import Iterable, Sequence
 
 import torch
 
-from .base import Rollout, RolloutBackendError, SamplingParams, model_end_ids
+from .base import (
+    Rollout,
+    RolloutBackendError,
+    SamplingParams,
+    WeightSyncError,
+    model_end_ids,
+    sync_problem,
+    tensor_sums,
+)
 from .hf import HFRolloutBackend
 
 
@@ -59,42 +65,10 @@ class SamplerProcessError(RolloutBackendError):
     """The sampler process died or could not start; the message is one line."""
 
 
-@contextlib.contextmanager
-def _terminal_signals_ignored():
-    """Start a child with SIGINT and SIGTERM ignored (kept across its exec; Python leaves an ignored
-    SIGINT ignored): a terminal's Ctrl-C or a scheduler's SIGTERM goes to the whole process group,
-    and the trainer, which checkpoints on them, must find its sampler alive; it ends the child itself
-    (``close``). The main thread only (elsewhere the child ignores them from its first line)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
-def _serve(conn, options: dict) -> None:
-    """The child: build the live copy and an HF backend on it, then answer commands until ``close``
-    (or its parent's end). Ctrl-C and SIGTERM are the trainer's to handle (reliability case A09)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+def _serve(conn, staging, tokenizer, options: dict) -> None:
+    """The child: build the live copy and an HF backend on it, then answer commands until ``close``."""
     torch.set_num_threads(options["threads"])
     os.environ["OMP_NUM_THREADS"] = str(options["threads"])
-    try:
-        # the weights (shared memory, by handle) and the tokenizer come through the pipe, not the spawn
-        # payload: CPython writes that whole before it sees the child die (a blocked write, C5-2); a
-        # message is read whole, then unpickled here, so its failure is one line to the parent
-        staging, tokenizer = conn.recv()
-    except EOFError:
-        return
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        conn.send(("error", SamplerProcessError(f"the sampler process could not start: the model or tokenizer "
-                                                f"did not unpickle in it ({type(exc).__name__}: {first})")))
-        return
     try:
         live = copy.deepcopy(staging).to(options["device"]).eval()  # private memory, not the shared staging
         generator = torch.Generator().manual_seed(options["seed"])
@@ -118,7 +92,7 @@ def _serve(conn, options: dict) -> None:
                 with torch.no_grad():
                     for live_t, staged in pairs:
                         live_t.copy_(staged)
-                out = None
+                out = _held_sums(live) if options.get("check_sync") else None
             elif command == "seed":
                 generator.manual_seed(int(args[0]))
                 out = None
@@ -132,31 +106,42 @@ def _serve(conn, options: dict) -> None:
             conn.send(("error", exc))
 
 
+def _held_sums(model) -> tuple[dict, list[list[str]]]:
+    """The sync canary's read-back: each state-dict tensor's ``tensor_sums`` and the names sharing one
+    tensor (tied weights)."""
+    held, by_ptr = {}, {}
+    for name, t in model.state_dict().items():
+        held[name] = tensor_sums(t)
+        by_ptr.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    return held, list(by_ptr.values())
+
+
 class ProcessRolloutBackend:
     """``generate(prompts, n, sampling)`` in a sampler process with its own weights (see the module
     doc); ``stage``/``load_staged`` (or ``sync_weights``) move new weights to it. ``seed`` seeds the
-    child's generator; ``reseed(seed)`` re-seeds it (the async loop seeds each rollout batch)."""
+    child's generator; ``reseed(seed)`` re-seeds it (the async loop seeds each rollout batch).
+    ``check_sync`` (the sync canary): each ``load_staged`` reads back the sums of every tensor the
+    child samples with and compares them with what ``stage`` was sent (``WeightSyncError`` when a
+    tensor was not sent or differs)."""
 
     def __init__(self, model, tokenizer, *, threads: int = 1, max_batch_size: int = 256, autocast_dtype=None,
-                 fast_path: bool = True, seed: int = 0, device: str | None = None):
+                 fast_path: bool = True, seed: int = 0, device: str | None = None, check_sync: bool = True):
         self.model, self.tokenizer = model, tokenizer
+        self.check_sync, self._expected = check_sync, {}
         device = device or str(next(model.parameters()).device)
         self.staging = copy.deepcopy(model).cpu().eval().requires_grad_(False).share_memory()
         self._staged = self.staging.state_dict()
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         options = dict(threads=threads, max_batch_size=max_batch_size, autocast_dtype=autocast_dtype,
-                       fast_path=fast_path, seed=seed, device=device)
-        self.process = ctx.Process(target=_serve, args=(child, options), daemon=True, name="grpolab-sampler")
-        with _main_module_hidden(), _terminal_signals_ignored():
+                       fast_path=fast_path, seed=seed, device=device, check_sync=check_sync)
+        self.process = ctx.Process(target=_serve, args=(child, self.staging, tokenizer, options), daemon=True,
+                                   name="grpolab-sampler")
+        with _main_module_hidden():
             self.process.start()
         child.close()
         self._closed = False
         self._lock = threading.Lock()  # one call on the pipe at a time (a producer thread and the trainer's)
-        try:
-            self._conn.send((self.staging, tokenizer))  # fails (never blocks) when the child died
-        except (BrokenPipeError, ConnectionError, OSError):
-            pass  # _receive says how it ended
         self._receive("start")
 
     # ---------------------------------------------------------------- the child
@@ -200,11 +185,21 @@ class ProcessRolloutBackend:
                 target = self._staged.get(name)
                 if target is None:
                     raise KeyError(f"weight {name!r} is not in the sampler's model")
-                target.copy_(value.detach().to(target.device, target.dtype))
+                value = value.detach().to(target.device, target.dtype)
+                target.copy_(value)
+                if self.check_sync:
+                    self._expected[name] = tensor_sums(value)
 
     def load_staged(self) -> None:
-        """The child copies the staging weights into the ones it samples with."""
-        self._call("load")
+        """The child copies the staging weights into the ones it samples with; with ``check_sync``,
+        its weights are compared with what was staged (``WeightSyncError``)."""
+        held = self._call("load")
+        expected, self._expected = self._expected, {}
+        if held is not None:
+            problem = sync_problem(expected, *held)
+            if problem:
+                raise WeightSyncError(f"sync canary: the sampler process's weights are not the trainer's after the "
+                                      f"weight sync: {problem}")
 
     def sync_weights(self, model, weights=None) -> None:
         """Stage ``weights`` (default: ``model``'s state dict) and load them: the next generate uses them."""

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..rollout import WeightSyncError
+
 
 @dataclass
 class Produced:
@@ -135,7 +137,10 @@ class AsyncRollouts:
                         return
                 load = self._loaded < need
                 if load:
-                    self.backend.load_staged()
+                    try:
+                        self.backend.load_staged()
+                    except WeightSyncError as exc:  # the sync canary: name the step whose weights did not arrive
+                        raise WeightSyncError(f"step {need}: {exc}") from None
                 with self._cond:
                     if load:
                         self._loaded, self._staged = need, None
