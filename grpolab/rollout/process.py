@@ -2,8 +2,9 @@
 copy of the weights while the trainer's process trains (``max_staleness >= 1``, no vLLM needed).
 
 Weights move through shared memory. The parent keeps a *staging* copy of the sampling model whose
-tensors live in shared memory (``share_memory()``); the child process is given that module at
-spawn (torch's multiprocessing passes shared tensors by handle, nothing is copied) and builds its
+tensors live in shared memory (``share_memory()``); the child process is sent that module through
+its pipe once started (torch's multiprocessing passes shared tensors by handle, nothing is copied;
+not in the spawn payload, whose write blocks for good when the child dies reading it) and builds its
 own private *live* copy, which its ``HFRolloutBackend`` samples from. A weight update is two steps
 so that the trainer never waits on a generation in progress:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
 import sys
 import threading
 from typing import Iterable, Sequence
@@ -65,10 +67,42 @@ class SamplerProcessError(RolloutBackendError):
     """The sampler process died or could not start; the message is one line."""
 
 
-def _serve(conn, staging, tokenizer, options: dict) -> None:
-    """The child: build the live copy and an HF backend on it, then answer commands until ``close``."""
+@contextlib.contextmanager
+def _terminal_signals_ignored():
+    """Start a child with SIGINT and SIGTERM ignored (kept across its exec; Python leaves an ignored
+    SIGINT ignored): a terminal's Ctrl-C or a scheduler's SIGTERM goes to the whole process group,
+    and the trainer, which checkpoints on them, must find its sampler alive; it ends the child itself
+    (``close``). The main thread only (elsewhere the child ignores them from its first line)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _serve(conn, options: dict) -> None:
+    """The child: build the live copy and an HF backend on it, then answer commands until ``close``
+    (or its parent's end). Ctrl-C and SIGTERM are the trainer's to handle (reliability case A09)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(options["threads"])
     os.environ["OMP_NUM_THREADS"] = str(options["threads"])
+    try:
+        # the weights (shared memory, by handle) and the tokenizer come through the pipe, not the spawn
+        # payload: CPython writes that whole before it sees the child die (a blocked write, C5-2); a
+        # message is read whole, then unpickled here, so its failure is one line to the parent
+        staging, tokenizer = conn.recv()
+    except EOFError:
+        return
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        conn.send(("error", SamplerProcessError(f"the sampler process could not start: the model or tokenizer "
+                                                f"did not unpickle in it ({type(exc).__name__}: {first})")))
+        return
     try:
         live = copy.deepcopy(staging).to(options["device"]).eval()  # private memory, not the shared staging
         generator = torch.Generator().manual_seed(options["seed"])
@@ -135,13 +169,16 @@ class ProcessRolloutBackend:
         self._conn, child = ctx.Pipe()
         options = dict(threads=threads, max_batch_size=max_batch_size, autocast_dtype=autocast_dtype,
                        fast_path=fast_path, seed=seed, device=device, check_sync=check_sync)
-        self.process = ctx.Process(target=_serve, args=(child, self.staging, tokenizer, options), daemon=True,
-                                   name="grpolab-sampler")
-        with _main_module_hidden():
+        self.process = ctx.Process(target=_serve, args=(child, options), daemon=True, name="grpolab-sampler")
+        with _main_module_hidden(), _terminal_signals_ignored():
             self.process.start()
         child.close()
         self._closed = False
         self._lock = threading.Lock()  # one call on the pipe at a time (a producer thread and the trainer's)
+        try:
+            self._conn.send((self.staging, tokenizer))  # fails (never blocks) when the child died
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass  # _receive says how it ended
         self._receive("start")
 
     # ---------------------------------------------------------------- the child
