@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -73,6 +74,10 @@ def _train(command: str, ctx, config, resume=None, overwrite: bool = False):
     except _user_errors() as exc:
         _fail(str(exc))
     except Exception as exc:  # a full disk surfaces as OSError, or wrapped by safetensors/torch
+        if _disk_full(exc) and "shared memory" in str(exc):  # torch's share_memory_ in /dev/shm (case A17)
+            _fail(f"no space left in shared memory (/dev/shm: {_free_mb('/dev/shm')}): the sampler process of "
+                  "max_staleness >= 1 keeps a staging copy of the weights there (about the model's size); give it "
+                  "more (Docker: --shm-size) or use max_staleness 0")
         if _disk_full(exc):
             _fail(f"no space left on device: {getattr(exc, 'filename', None) or cfg.run_dir}")
         raise
@@ -86,6 +91,14 @@ def _continue_from(cfg, command: str) -> str:
     newest = CheckpointManager(Path(cfg.run_dir) / CHECKPOINTS_DIR).latest()
     return (f"newest checkpoint {newest}; continue with: grpolab {command} --resume {cfg.run_dir}" if newest
             else "no checkpoint was written")
+
+
+def _free_mb(path: str) -> str:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "size unknown"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.0f} of {st.f_blocks * st.f_frsize / 2**20:.0f} MB free"
 
 
 def _disk_full(exc: BaseException) -> bool:
