@@ -9,7 +9,7 @@ on the app when imported, below in the order ``grpolab --help`` lists them.
 from .base import app, boolean_flag_values, main
 
 # isort: off
-from . import train, eval, compare, tools, config  # noqa: F401
+from . import train, eval, compare, tools, serve, config  # noqa: F401
 # isort: on
 
 __all__ = ["app", "boolean_flag_values", "main"]

@@ -50,7 +50,8 @@ EVAL_SMALL = ["--n", "10"]
 RUN = [((".venv/bin/grpolab", "sft"), SFT_SMALL), ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
        ((".venv/bin/grpolab", "grpo"), GRPO_SMALL), ((".venv/bin/grpolab", "eval"), EVAL_SMALL),
        ((".venv/bin/grpolab", "view"), []), ((".venv/bin/grpolab", "config"), []),
-       (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL)]
+       (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL),
+       ((".venv/bin/grpolab", "serve"), []), (("curl",), []), (("kill", "%1"), [])]  # a server: walk._server_line
 # Commands not run here, by the start of their argv (a last word ending in / or = is a prefix of
 # the word): the reason.
 REAL_MODEL = ("the real model (SmolLM2-135M-Instruct, `make real-model`): minutes of CPU even shortened; "

@@ -202,13 +202,49 @@ def printed_paths(stdout: str) -> list[str]:
     return paths + re.findall(r"^wrote (\S+)$", stdout, re.M)
 
 
+def _server_line(argv: list[str], small: list[str], page: str, scratch: Path, servers: list) -> list[str]:
+    """A server's lines (``grpolab serve``): ``... &`` starts it in the background, ready once it prints
+    its ``serving`` line; ``curl`` (with ``-f``: an HTTP error fails) must exit 0; ``kill %1`` sends
+    SIGTERM to the last one started, which must exit 0. Returns the failures (none or one)."""
+    printed = f"{page}: {shlex.join(argv)}"
+    if argv[-1] == "&":
+        cmd, env, _ = as_run(argv[:-1], small, scratch)
+        proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL)
+        line = proc.stdout.readline()  # ``serving URL ...``, or nothing when it exited
+        if line.startswith("serving "):
+            servers.append(proc)
+            return []
+        proc.kill()
+        _, err = proc.communicate(timeout=TIMEOUT)
+        return [f"{printed}\n    printed no serving line: {line.strip()} {' | '.join(err.strip().splitlines()[-1:])}"]
+    if argv[0] == "curl":
+        proc = subprocess.run(argv, cwd=scratch, capture_output=True, text=True, timeout=TIMEOUT,
+                              stdin=subprocess.DEVNULL)
+        return [] if proc.returncode == 0 else [f"{printed}\n    exit {proc.returncode}: {proc.stderr.strip()[-300:]}"]
+    if not servers:
+        return [f"{printed}\n    no server was started before it"]
+    proc = servers.pop()
+    proc.terminate()
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return [f"{printed}\n    the server did not stop on SIGTERM within 60 s"]
+    return [] if proc.returncode == 0 else [f"{printed}\n    the server exited {proc.returncode} on SIGTERM"]
+
+
 def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path) -> tuple[int, list[str]]:
     """Run (argv, small-step overrides, page) in order in ``scratch`` (a copy of ``configs/`` beside
     them) -> (how many ran, the failures): exit code 0, and the printed paths exist (``grpolab
     config``: what it prints loads as a YAML mapping)."""
     shutil.copytree(ROOT / "configs", scratch / "configs")
-    failures = []
+    failures, servers = [], []
     for argv, small, page in commands:
+        if argv[-1] == "&" or argv == ["kill", "%1"] or argv[0] == "curl":  # a server, a request to it, its stop
+            failures += _server_line(argv, small, page, scratch, servers)
+            continue
         cmd, env, extra = as_run(argv, small, scratch)
         proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT,
                               stdin=subprocess.DEVNULL)
@@ -231,4 +267,7 @@ def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path
         missing = [p for p in paths if not (scratch / p).exists()]
         if not paths or missing:
             failures.append(f"{printed}\n    printed paths {paths}; missing: {missing}")
+    for proc in servers:  # a page that left its server running
+        proc.kill()
+        proc.communicate()
     return len(commands), failures
