@@ -133,7 +133,9 @@ class VerifiersDriver:
     async def _scored(self, row, client, key, sampling_args):
         state = await self.vf_env.rollout(row, client, key, sampling_args)
         if state.get("error") is not None:
-            raise RuntimeError(f"the environment's rollout failed: {state['error']}")
+            err = state["error"]  # C13: an exception whose text is empty still names its type
+            raise RuntimeError(f"the environment's rollout failed: {type(err).__name__}: {err}" if
+                               isinstance(err, BaseException) else f"the environment's rollout failed: {err}")
         state["grpolab_rubric_errors"] = await score_counting_errors(self.vf_env.rubric, state)
         return state
 

@@ -8,18 +8,19 @@ running statistics, and a z-score over the evaluated batch (mean 0 by constructi
 
 A verifiers rubric (``env: {verifiers: ...}``) has no accuracy of its own: its ``reward`` is a weighted
 sum of functions (reported as ``reward`` and each function's mean, ``vf/<name>``). A response is counted
-right when the rubric's answer function (``vf_rubric.rubric_roles``: the largest weight) reaches 1, the
+right when the rubric's answer function (``rubric_roles``: the largest weight) reaches 1, the
 rule ``correctness`` applies to a rule reward's ``reward``; ``format_rate`` is the mean of the parser's
 format function, left out when the rubric has none."""
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..rewards import RewardScorer
 from ..rewards.reward_model import unnormalized
-from ..rewards.vf_rubric import GROUND_TRUTH_KEYS, rubric_roles
+from ..rewards.vf_rubric import GROUND_TRUTH_KEYS, load_vf_environment, vf_source
 from ..rollout import Rollout, SamplingParams
 
 
@@ -55,6 +56,26 @@ def _score(scorer: RewardScorer | None, reward_fn, reward_timeout_s: float, resp
         if own:
             scorer.close()
     return scores, scorer.errors - before, list(scorer.model_reward.names) if scorer.model_reward else []
+
+
+def rubric_roles(spec: str, args: dict | None = None) -> tuple[str | None, str | None]:
+    """The rubric's answer function and its parser's format function, by the names its scores carry
+    (``vf/NAME``). The answer function is the one of the largest positive weight other than the
+    format function (the first on a tie): verifiers' convention weighs the correctness check 1.0 and
+    format or style checks less, and has no accuracy of its own. The format function is the one a
+    parser's ``get_format_reward_func()`` builds (same qualified name), None when the rubric has none."""
+    env = load_vf_environment(vf_source(spec), args or {})
+    rubric = env.rubric
+    parsers = [getattr(r, "parser", None) for r in [env, rubric, *getattr(rubric, "rubrics", [])]]
+    formats = set()
+    for parser in parsers:
+        with suppress(Exception):  # a parser without a format function of its own
+            formats.add(parser.get_format_reward_func().__qualname__)
+    funcs = list(zip(rubric._get_reward_funcs(), rubric._get_reward_weights()))
+    name = lambda f: getattr(f, "__name__", repr(f))  # noqa: E731 - verifiers' own naming of a function
+    fmt = next((name(f) for f, _ in funcs if getattr(f, "__qualname__", None) in formats), None)
+    answers = [(w, -i, name(f)) for i, (f, w) in enumerate(funcs) if w > 0 and name(f) != fmt]
+    return (max(answers)[2] if answers else None), fmt
 
 
 def vf_roles(ground_truths: Sequence) -> tuple[str | None, str | None] | None:

@@ -251,26 +251,6 @@ def tool_functions(env: Any) -> dict[str, Callable]:
     return dict(getattr(env, "tool_map", None) or {}) if environment_kind(env) == "tool" else {}
 
 
-def rubric_roles(spec: str, args: dict | None = None) -> tuple[str | None, str | None]:
-    """The rubric's answer function and its parser's format function, by the names its scores carry
-    (``vf/NAME``). The answer function is the one of the largest positive weight other than the
-    format function (the first on a tie): verifiers' convention weighs the correctness check 1.0 and
-    format or style checks less, and has no accuracy of its own. The format function is the one a
-    parser's ``get_format_reward_func()`` builds (same qualified name), None when the rubric has none."""
-    env = load_vf_environment(vf_source(spec), args or {})
-    rubric = env.rubric
-    parsers = [getattr(r, "parser", None) for r in [env, rubric, *getattr(rubric, "rubrics", [])]]
-    formats = set()
-    for parser in parsers:
-        with suppress(Exception):  # a parser without a format function of its own
-            formats.add(parser.get_format_reward_func().__qualname__)
-    funcs = list(zip(rubric._get_reward_funcs(), rubric._get_reward_weights()))
-    name = lambda f: getattr(f, "__name__", repr(f))  # noqa: E731 - verifiers' own naming of a function
-    fmt = next((name(f) for f, _ in funcs if getattr(f, "__qualname__", None) in formats), None)
-    answers = [(w, -i, name(f)) for i, (f, w) in enumerate(funcs) if w > 0 and name(f) != fmt]
-    return (max(answers)[2] if answers else None), fmt
-
-
 def rollout_state(env, row: dict, completion: list[dict]):
     """A ``vf.State`` as ``Environment.init_state`` builds it from ``row`` (no client or model:
     nothing is sampled), completed by ``completion``: one trajectory step per assistant message, so

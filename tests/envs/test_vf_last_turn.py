@@ -13,21 +13,11 @@ from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.envs import EnvBackend  # noqa: E402
 from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.rewards.scoring import RewardScorer  # noqa: E402
+from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
 from grpolab.rollout import HFRolloutBackend, SamplingParams  # noqa: E402
 from tests.envs.test_chat_tools import COMPACT_TOOLS, taught  # noqa: E402,F401 - the taught model fixture
 
 LAST = str(Path(__file__).parent / "vf_envs" / "last_message_tool_env.py")
-
-try:  # the run's rubric as a reward: VfRubric(env) where H7's configured-environment reward has landed
-    from grpolab.rewards.vf_rubric import VfRubric as _VfRubric  # noqa: E402
-
-    def rubric_reward(spec):
-        return _VfRubric(spec)
-except ImportError:
-    from grpolab.rewards.vf_rubric import vf_rubric_reward  # noqa: E402
-
-    def rubric_reward(spec):
-        return vf_rubric_reward
 
 
 def run(taught, **options):  # noqa: F811 - the fixture
@@ -41,7 +31,7 @@ def run(taught, **options):  # noqa: F811 - the fixture
     before = len(calls)
     out = backend.generate([template.format(e.question) for e in examples], 1,
                            SamplingParams(temperature=0.3, max_tokens=120, seed=0))
-    with RewardScorer(rubric_reward(LAST), timeout_s=60) as scorer:
+    with RewardScorer(VfRubric(LAST), timeout_s=60) as scorer:
         scores = scorer.score([r.scored_response for r in out], [e.answer for e in examples], rollouts=out)
     return out, [s["reward"] for s in scores], calls[before:]
 

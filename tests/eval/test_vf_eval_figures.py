@@ -11,31 +11,21 @@ pytest.importorskip("verifiers", reason="the verifiers extra is not installed (p
 
 from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.eval import evaluate  # noqa: E402
+from grpolab.eval.evaluation import rubric_roles  # noqa: E402
 from grpolab.models import load_model_and_tokenizer  # noqa: E402
-from grpolab.rewards.vf_rubric import rubric_roles  # noqa: E402
+from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
 from grpolab.rollout import SamplingParams  # noqa: E402
 from tests.eval.test_eval import _Scripted, _Template  # noqa: E402
 
 HERE = Path(__file__).parents[1] / "envs" / "vf_envs"
 WEIGHTED, SUM = str(HERE / "weighted_format_env.py"), str(HERE / "sum_env.py")
 
-try:  # the run's rubric as a reward: VfRubric(env) where H7's configured-environment reward has landed
-    from grpolab.rewards.vf_rubric import VfRubric as _VfRubric  # noqa: E402
-
-    def rubric_reward(spec):
-        return _VfRubric(spec)
-except ImportError:
-    from grpolab.rewards.vf_rubric import vf_rubric_reward  # noqa: E402
-
-    def rubric_reward(spec):
-        return vf_rubric_reward
-
 
 def _evaluate(spec, responses):
     _, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
     examples = VerifiersTask(spec).examples("train", len(responses))
     backend = _Scripted(tok, [[r] for r in responses])
-    return evaluate(backend, examples, _Template(), rubric_reward(spec), SamplingParams(max_tokens=8), n=1,
+    return evaluate(backend, examples, _Template(), VfRubric(spec), SamplingParams(max_tokens=8), n=1,
                     reward_timeout_s=60)
 
 
