@@ -5,6 +5,7 @@ validation on the trainer's weights (``CurrentPolicy``), the hand-off of each ne
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,28 @@ class CurrentPolicy:
     def generate(self, *args, **kwargs):
         self.run.weights.refresh()
         return self.backend.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+
+class OneAtATime:
+    """A backend whose ``generate`` holds a lock shared with others (``pair``): the producer's thread
+    and validation (the trainer's) both run the run's environment, whose tool workers and verifiers
+    loop serve one caller at a time. Validation then waits for the batch in progress, and the
+    producer for validation."""
+
+    def __init__(self, backend, lock):
+        self.backend, self._lock = backend, lock
+
+    @classmethod
+    def pair(cls, *backends) -> list:
+        lock = threading.Lock()
+        return [cls(b, lock) for b in backends]
+
+    def generate(self, *args, **kwargs):
+        with self._lock:
+            return self.backend.generate(*args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.backend, name)
@@ -183,9 +206,13 @@ def rollout_source(run: Run, cfg: GRPOConfig, inputs, scorer, sampler, sampling,
     if cfg.max_staleness:  # a sampler with its own weights runs ahead (training/async_rollouts.py)
         scorer = LockedScorer(scorer)
         own, stager, reseed = sampler_backend(cfg, run.sampling_model, tokenizer, make, generator)
-        source = Asynchronous(run, with_env(own), stager, reseed, scorer, sampler, inputs, cfg, sampling,
-                              make_backend("hf", run.sampling_model, tokenizer,
-                                           max_batch_size=cfg.rollout_max_batch_size))
+        # validation as the synchronous loop's (C5-4): the environment and the run's autocast, on the trainer's
+        # weights; the producer's thread and validation share the environment, one generate at a time
+        current = make_backend("hf", run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
+                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
+        if run.env is not None:
+            own, current = OneAtATime.pair(with_env(own), with_env(current))
+        source = Asynchronous(run, own, stager, reseed, scorer, sampler, inputs, cfg, sampling, current)
     else:
         source = Synchronous(with_env(make()), scorer, sampler, inputs, cfg, sampling)
         if cfg.rollout_backend == "vllm_server":  # however the run ends, the server it started stops

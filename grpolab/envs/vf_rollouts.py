@@ -97,7 +97,8 @@ class VerifiersDriver:
         """``n`` rollouts per prompt, prompt-major, each driven by the environment."""
         server = self._server(backend)
         rows = rows if rows is not None else [self._row(p) for p in prompts]
-        args = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
+        args = {"temperature": sampling.temperature, "top_p": sampling.top_p,  # the endpoint refuses more
+                "max_tokens": min(sampling.max_tokens, self.max_total_tokens)}
         if sampling.stop:  # kept in the answer, as grpolab's sampler keeps it (the rubric reads <answer>...</answer>)
             args.update(stop=list(sampling.stop), include_stop_str_in_output=True)
         if sampling.min_tokens:
@@ -133,9 +134,7 @@ class VerifiersDriver:
     async def _scored(self, row, client, key, sampling_args):
         state = await self.vf_env.rollout(row, client, key, sampling_args)
         if state.get("error") is not None:
-            err = state["error"]  # C13: an exception whose text is empty still names its type
-            raise RuntimeError(f"the environment's rollout failed: {type(err).__name__}: {err}" if
-                               isinstance(err, BaseException) else f"the environment's rollout failed: {err}")
+            raise RuntimeError(f"the environment's rollout failed: {_why(state['error'])}")
         state["grpolab_rubric_errors"] = await score_counting_errors(self.vf_env.rubric, state)
         return state
 
@@ -177,6 +176,18 @@ class VerifiersDriver:
         return Rollout(prompt, self.tokenizer.decode(response_ids, skip_special_tokens=True), list(full[:start]),
                        list(response_ids), logprobs, finish, index, loss_mask=mask, info=info,
                        model_response="\n".join(texts), messages=messages)
+
+
+def _why(err) -> str:
+    """An environment's error as one line: its type and text, then its cause's (verifiers' ``ModelError``
+    has no text of its own: C13's lost rollouts read "rollout failed:" and nothing more)."""
+    if not isinstance(err, BaseException):
+        return str(err)
+    parts = []
+    while err is not None and len(parts) < 3:
+        parts.append(f"{type(err).__name__}: {' '.join(str(err).split())}".rstrip(": "))
+        err = err.__cause__ or err.__context__
+    return " <- ".join(parts)
 
 
 def _key(messages: list[dict]) -> str:

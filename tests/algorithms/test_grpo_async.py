@@ -80,6 +80,29 @@ def test_c5_2_async_grpo_starts_its_sampler_with_the_fp32_head_under_bf16(grpo_c
     assert [s["async/staleness_max"] for s in steps] == [0, 1]
 
 
+def test_c5_4_async_validation_runs_the_environment_and_the_runs_autocast_as_synchronous(grpo_config, open_run,
+                                                                                        tmp_path):
+    """C5-4: validation under max_staleness 1 samples as under max_staleness 0: through the tool environment
+    (multi-turn rollouts) and under the run's bf16 autocast (was: a bare hf backend, no tools, fp32)."""
+    import torch
+
+    from grpolab.algorithms.grpo_async import rollout_source
+    from grpolab.training.batching import ExampleSampler
+    from grpolab.training.inputs import load_inputs
+
+    seen = {}
+    for k in (0, 1):
+        cfg = grpo_config(max_staleness=k, dtype="bfloat16", run_dir=str(tmp_path / f"run{k}"),
+                          env={"tools": ["calculate"], "max_turns": 2, "max_total_tokens": 40})
+        inputs, run = load_inputs(cfg), open_run(cfg)
+        source, _ = rollout_source(run, cfg, inputs, None, ExampleSampler(len(inputs.train), 0),
+                                   cfg.sampling_params(), torch.Generator().manual_seed(0))
+        prompts = [inputs.template.format(e.question) for e in inputs.evals[:2]]
+        rollouts = source.eval_backend.generate(prompts, 1, cfg.eval_sampling_params())
+        seen[k] = (all("turns" in r.info for r in rollouts), source.eval_backend.autocast_dtype)
+    assert seen[1] == seen[0] == (True, torch.bfloat16), seen
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"rollout_backend": "vllm"}, "use rollout_backend hf"),
     ({"importance_sampling_correction": "none"}, "would weigh every token as if on-policy"),
