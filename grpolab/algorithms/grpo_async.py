@@ -144,7 +144,7 @@ class Synchronous:
         if not update.applied_steps:
             return 0.0
         t0 = time.perf_counter()
-        run.weights.sync(self.backend)  # vLLM: streamed one gathered parameter at a time
+        run.weights.sync(self.backend, step)  # vLLM: streamed one gathered parameter at a time
         return time.perf_counter() - t0
 
     def figures(self, step: int, m: dict, clock: StepClock) -> dict:

@@ -147,6 +147,21 @@ def sync_problem(expected: dict, held: dict, aliases: list[list[str]]) -> str | 
     return None
 
 
+def probe_ids(vocab_size: int, length: int = 32) -> list[int]:
+    """The canary's fixed probe sequence for an engine that cannot hand its weights back (vLLM):
+    ``length`` ids spread over the vocabulary (no tokenizer needed; any ids are a sequence)."""
+    return [(1 + 7919 * i) % vocab_size for i in range(length)]
+
+
+def probe_tolerance(dtype) -> float:
+    """The most mean |log-prob difference| per probe token the canary allows between the trainer's
+    float32 forward and an engine holding ``dtype`` weights: 32 x the dtype's eps, at least 1e-3
+    (float32 engine vs trainer measured ~1e-7; bfloat16: 0.25, float16: 0.031)."""
+    import torch
+
+    return max(1e-3, 32 * torch.finfo(dtype).eps)
+
+
 class RolloutBackend(Protocol):
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams,
                  prompt_ids: Sequence[list[int]] | None = None) -> list[Rollout]:

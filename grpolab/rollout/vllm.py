@@ -177,6 +177,26 @@ class VLLMRolloutBackend:
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (the sync canary's tolerance)."""
+        return self.llm.llm_engine.model_config.dtype
+
+    def probe_log_probs(self, ids: Sequence[int]) -> list[float]:
+        """The engine's untempered log-probs of ``ids[1:]`` after their prefixes (vLLM's
+        ``prompt_logprobs``): the sync canary reads its weights through them. vLLM on the CPU packs
+        linear weights for its kernels (``dispatch_cpu_unquantized_gemm``), so its parameters cannot be
+        read back as a checksum; what it computes with can."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake()
+        self.llm.reset_prefix_cache()
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))],
+                                VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False)
+        self.sleep()
+        return [float(d[t].logprob) for d, t in zip(out[0].prompt_logprobs[1:], ids[1:])]
+
     def _wake(self) -> None:
         if self._asleep:
             self.llm.wake_up()

@@ -140,7 +140,7 @@ class AsyncRollouts:
                     try:
                         self.backend.load_staged()
                     except WeightSyncError as exc:  # the sync canary: name the step whose weights did not arrive
-                        raise WeightSyncError(f"step {need}: {exc}") from None
+                        raise WeightSyncError(f"step {need - 1} (policy version {need}): {exc}") from None
                 with self._cond:
                     if load:
                         self._loaded, self._staged = need, None

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..models import lora
+from ..rollout.base import WeightSyncError, probe_ids, probe_tolerance
 from . import distributed, sharded_optimizer
 from .checkpoints import atomic_directory, save_final
 from .config import ConfigError
@@ -85,15 +86,43 @@ class RunModel:
     def _peft(self):
         return getattr(self.model, "module", self.model)
 
-    def sync(self, backend) -> None:
+    def sync(self, backend, step: int | None = None) -> None:
         """Give the rollout backend the updated weights (every rank, after the outer step): an
-        engine with its own copy (vLLM) loads ``full_weights`` as they stream; the HF backend
-        samples from ``sampling_model`` itself (refreshed first)."""
+        engine with its own copy (vLLM) loads ``full_weights`` as they stream, then the sync canary
+        checks that they arrived (``check_sync``); the HF backend samples from ``sampling_model``
+        itself (refreshed first)."""
         if self.engine_holds_weights:
             backend.sync_weights(self.sampling_model, weights=self.full_weights())
+            self.check_sync(backend, step)
         else:
             self.refresh()
             backend.sync_weights(self.sampling_model)
+
+    def check_sync(self, backend, step: int | None = None) -> None:
+        """The sync canary for an engine that cannot hand its weights back (vLLM packs them for its
+        kernels): its log-probs of a fixed probe sequence against this model's float32 forward, mean
+        |difference| within ``probe_tolerance`` of the engine's dtype, else ``WeightSyncError`` naming
+        the step (``check_weight_sync: false`` skips it). A collective forward under sharding."""
+        probe = getattr(backend, "probe_log_probs", None)
+        if probe is None or not getattr(self.cfg, "check_weight_sync", True):
+            return
+        ids = probe_ids(self._peft().get_input_embeddings().num_embeddings)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].float()
+        finally:
+            self.model.train(was_training)
+        mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:], device=logits.device)[:, None])[:, 0]
+        gap = float((mine.cpu() - torch.tensor(probe(ids))).abs().mean())
+        tol = probe_tolerance(backend.weights_dtype)
+        if not gap <= tol:  # NaN included
+            where = f"step {step}" if step is not None else "a weight sync"
+            raise WeightSyncError(f"{where}: sync canary: the rollout engine's log-probs of a probe sequence differ "
+                                  f"from the trainer's by {gap:.3g} nats/token (tolerance {tol:.3g} for "
+                                  f"{str(backend.weights_dtype).removeprefix('torch.')} weights): the weights did "
+                                  "not arrive")
 
     def full_weights(self):
         """The sampler's weights as a stream of (ordinary name, tensor) — full, and with LoRA merged —

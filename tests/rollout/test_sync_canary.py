@@ -75,5 +75,5 @@ def test_an_async_run_whose_sync_drops_a_tensor_stops_naming_the_step(grpo_confi
         return ((k, v) for k, v in full(self) if k != DROPPED)
 
     monkeypatch.setattr(RunModel, "full_weights", dropping)
-    with pytest.raises(WeightSyncError, match=f"^step 1: sync canary: .*{DROPPED} was not sent"):
+    with pytest.raises(WeightSyncError, match=rf"^step 0 \(policy version 1\): sync canary: .*{DROPPED} was not sent"):
         train_grpo(grpo_config(n_grpo_steps=3, max_staleness=1, eval_examples=2, log_generations_samples=0))
