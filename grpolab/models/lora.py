@@ -119,8 +119,8 @@ def merged_weights(items, scaling: float):
                 layer[part] = value
                 if len(layer) == 3:
                     del pending[stem]
-                    w = layer["w"]
-                    merged = w + scaling * (layer["b"].to(w.dtype) @ layer["a"].to(w.dtype))
+                    w = layer["w"]  # fp32, or bf16 (a bf16 run's frozen base): merged in fp32, rounded once
+                    merged = (w.float() + scaling * (layer["b"].float() @ layer["a"].float())).to(w.dtype)
                     del w, layer, value  # a stream holds one layer: nothing of this one outlives its yield
                     yield _plain_key(f"{stem}.weight"), merged
                     del merged
@@ -130,3 +130,40 @@ def merged_weights(items, scaling: float):
                 yield _plain_key(key).replace(".base_layer.", "."), value
     if pending:
         raise ValueError(f"LoRA layer {next(iter(pending))} lacks its base weight or an adapter matrix")
+
+
+def adapted_layers(model) -> dict[str, torch.nn.Module]:
+    """The peft model's adapted layers by their plain model's module name (``model.layers.0.mlp.up_proj``)."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A") and ADAPTER in module.lora_A:
+            out[_plain_key(name)] = module
+    return out
+
+
+def sampler_shell(model):
+    """A plain copy of ``model`` (before ``apply_lora``) that holds no weights of its own: every
+    parameter and buffer is the model's own object (a frozen LoRA base never changes). ``own_merged``
+    then gives its adapted layers tensors of their own for W + BA; the rest stay shared."""
+    import copy
+
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared).eval()
+
+
+def own_merged(shell, policy, dtype: torch.dtype | None) -> set[str]:
+    """Give the shell's copy of each adapted layer a weight of its own (for the merged W + BA, filled by
+    ``refresh``), and store the policy's frozen base of those layers in ``dtype`` (bf16 in a bf16 run:
+    what autocast computes with anyway, so the policy's outputs are unchanged; None: as loaded). Layer
+    by layer, so the old fp32 tensor is freed before the next is made. Returns the shell's weight names
+    that are its own."""
+    own = set()
+    for name, module in adapted_layers(policy).items():
+        base = module.base_layer
+        target = shell.get_submodule(name)
+        keep = dtype or base.weight.dtype
+        target.weight = torch.nn.Parameter(torch.empty_like(base.weight, dtype=keep), requires_grad=False)
+        if dtype is not None and base.weight.dtype != dtype:
+            base.weight = torch.nn.Parameter(base.weight.detach().to(dtype), requires_grad=False)
+        own.add(f"{name}.weight")
+    return own

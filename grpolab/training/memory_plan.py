@@ -97,6 +97,7 @@ class RankMemory:
     bf16: bool  # autocast: bf16 matmuls over fp32 weights
     vllm: bool
     lora_fraction: float = 0.0  # of the weights the adapters cover (merged at each sync)
+    shell: bool = False  # LoRA on whole weights (none/DDP): the sampler's copy owns only its merged layers
     weights: int = 0
     gradients: int = 0
     kept_gradients: int = 0  # of ``gradients``, what ZeRO keeps between steps (its partition)
@@ -117,6 +118,11 @@ class RankMemory:
         """What lives through every phase after set-up (ZeRO keeps its gradient partitions too)."""
         return (self.weights + self.replica + self.fused + self.bucket + self.reference + self.optimizer
                 + self.kept_gradients)
+
+    @property
+    def merged_bytes(self) -> int:
+        """The adapted layers' weights in the compute dtype (LoRA: bf16 under bf16 autocast, else fp32)."""
+        return (2 if self.bf16 else 4) * int(self.shape.n_params * self.lora_fraction)
 
     @property
     def live_gradients(self) -> int:
@@ -163,13 +169,18 @@ def _resident(cfg, shape: ModelShape, hw: Hardware, notes: list[str]) -> RankMem
     if lora:
         m.lora_fraction = shape.lora_weight_fraction(cfg.lora_target_modules)
     m.weights = 4 * P // (world if sharded_params else 1)
+    m.shell = lora and cfg.distributed in ("none", "ddp")
+    if m.shell:  # the adapted layers' frozen base in the compute dtype (bf16: half), the rest fp32
+        adapted = int(P * m.lora_fraction)
+        m.weights = 4 * (P - adapted) + m.merged_bytes
     if stage:
         # every ZeRO stage's fp32 master partition beside the parameters' (stage_1_and_2.py's
         # single_partition_of_fp32_groups, a clone even of fp32 weights; stage3.py's fp32 partition)
         m.weights += 4 * trainable // world
     # a plain full copy of the weights when the trained ones are sharded or adapted: the hf sampler's,
     # and with vLLM still kept for validation and final/ (the engine's weights stream from the shards)
-    m.replica = 4 * P if (lora or sharded_params) else 0
+    # LoRA on whole weights: only the merged adapted layers, in the compute dtype (the rest is shared)
+    m.replica = m.merged_bytes if m.shell else 4 * P if (lora or sharded_params) else 0
     kl = getattr(cfg, "kl_coef", 0) > 0 or cfg.needs_reference
     m.reference = 4 * P if kl and not lora else 0
     m.optimizer = 8 * trainable // state_share
@@ -229,7 +240,7 @@ def _sampler(cfg, m: RankMemory, hw: Hardware, notes: list[str]) -> None:
         notes.append(f"vLLM KV cache: {m.kv_cache // max(1, per_token):,} tokens "
                      f"({m.kv_cache // max(1, per_token * m.seq)} sequences of {m.seq})")
     elif hasattr(cfg, "sampling_max_tokens"):
-        m.fused = s.fused_sampler_bytes()
+        m.fused = s.fused_sampler_bytes() // (2 if m.shell and m.bf16 else 1)  # fused from the bf16 merged copy
         m.cast = s.cast_sampler_bytes(head=not getattr(cfg, "logits_fp32", False)) if m.bf16 else 0
         batch = min(getattr(cfg, "rollout_max_batch_size", 256),
                     math.ceil(getattr(cfg, "rollout_batch_size", getattr(cfg, "train_batch_size", 1)) / m.world))
@@ -243,6 +254,8 @@ def _sampler(cfg, m: RankMemory, hw: Hardware, notes: list[str]) -> None:
 def setup_peak(m: RankMemory) -> int:
     """Set-up, before the vLLM engine is built: the whole model loaded in fp32 (and copied for the
     sampler and the reference) before any sharding."""
+    if m.shell:  # the fp32 model loaded, then each adapted layer's copy made as its fp32 base is cast
+        return max(4 * m.shape.n_params, m.weights + m.replica) + m.reference
     return 4 * m.shape.n_params + m.replica + m.reference
 
 
@@ -272,7 +285,9 @@ def weight_sync_peak(m: RankMemory) -> int:
         sync = 4 * P * (2 if m.stage == 3 else 1)
     elif m.sharded_params and m.world > 1:  # one layer at a time
         sync = 4 * (P - s.vocab_size * s.hidden_size) // s.num_hidden_layers
-    if m.lora and not m.vllm:
+    if m.lora and m.shell:  # merged W + BA one layer at a time (in fp32, then rounded)
+        sync += int(6 * P * m.lora_fraction) // s.num_hidden_layers
+    elif m.lora and not m.vllm:
         sync += int(4 * P * m.lora_fraction)  # merged W + BA, beside them
     return m.persistent + sync + (m.engine + (0 if m.asleep else m.kv_cache) if m.vllm else 0)
 

@@ -49,12 +49,22 @@ class RunModel:
         if cfg.gradient_checkpointing and not getattr(model, "is_activation_checkpointing", False):
             enable_gradient_checkpointing(model)
         self.lora = cfg.lora_r > 0
-        copy_weights = self.lora or self.dist.sharded
-        self.replica = copy.deepcopy(model).eval().requires_grad_(False) if copy_weights else None
+        # LoRA on whole weights: the sampler's copy shares the frozen base and owns only its merged
+        # layers, stored (like the policy's frozen base) in the run's compute dtype; sharded: a full copy
+        self.own_merged: set[str] | None = None
+        shell = self.lora and not self.dist.sharded
+        if shell:
+            self.replica = lora.sampler_shell(model).requires_grad_(False)
+        else:
+            copy_weights = self.lora or self.dist.sharded
+            self.replica = copy.deepcopy(model).eval().requires_grad_(False) if copy_weights else None
         if self.lora:
             model = lora.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
             if state is not None and "lora_adapter" in state:
                 model.load_state_dict(state["lora_adapter"], strict=False)
+            if shell:
+                base_dtype = torch.bfloat16 if getattr(cfg, "dtype", "float32") == "bfloat16" else None
+                self.own_merged = lora.own_merged(self.replica, model, base_dtype)
         self.model = distributed.wrap(model, device).train()
         self.dist.replica = self.replica
         # a vLLM engine holds its own copy, streamed after each update (``sync``): the plain copy is
@@ -78,6 +88,14 @@ class RunModel:
         if self.replica is None or not self.stale:
             return
         full = self._full()
+        if self.own_merged is not None:  # one merged layer at a time into the shell's own tensors
+            mine = dict(self.replica.named_parameters())
+            with torch.no_grad():
+                for name, value in lora.merged_weights(full.items(), lora.lora_scaling(self._peft())):
+                    if name in self.own_merged:
+                        mine[name].copy_(value)
+            self.stale = False
+            return
         if self.lora:
             full = lora.merged_state_dict(full, lora.lora_scaling(self._peft()))
         self.replica.load_state_dict({k: v.to(self.device) for k, v in full.items()}, strict=False)
