@@ -207,3 +207,19 @@ def test_c13_a_flood_of_64_concurrent_clients_is_served_whole_with_memory_flat(t
             rss.append(_rss_mb())
             assert server.held() <= 64
     assert rss[2] - rss[0] < 30, rss  # flat: the kept exchanges are bounded
+
+
+def test_c13_c11_a_multi_turn_rollout_past_the_context_fails_with_its_cause_named(capsys):
+    """The verifiers driver through the endpoint: a model of 40 positions cannot take the game's prompt
+    plus 12 tokens, so each rollout fails with the endpoint's 400 (it sampled past the context before),
+    and the warning names verifiers' ModelError and its cause (it read 'rollout failed:' and nothing)."""
+    pytest.importorskip("verifiers", reason="verifiers is not installed (pip install -e '.[envs]')")
+    from tests.envs.test_vf_turns import run_game
+
+    tok = chat_tokenizer()
+    model = build_tiny_model("tiny", tok, seed=0, max_position_embeddings=40).eval()
+    _, out = run_game(model, tok, n=1)
+    assert all(r.info["env_errors"] == 1 for r in out)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "rollout failed" in line]
+    assert len(lines) == 3 and all("ModelError <- BadRequestError" in line and "context of 40 tokens" in line
+                                   for line in lines), lines
