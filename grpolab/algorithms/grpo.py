@@ -189,6 +189,10 @@ class GRPOConfig(PolicyUpdateConfig):
                 f"regularise nothing; use one of {', '.join(KL_LOSS_ESTIMATORS)}"
             )
         if self.max_staleness:
+            if self.max_staleness >= max(2, self.n_grpo_steps):  # reliability case A05
+                raise ValueError(f"max_staleness {self.max_staleness} is not below n_grpo_steps {self.n_grpo_steps}: "
+                                 "every batch would be sampled by the starting weights; use at most "
+                                 f"{max(1, self.n_grpo_steps - 1)}")
             if self.rollout_backend == "vllm":
                 raise ValueError("max_staleness >= 1 samples in a process of its own while this one trains: use "
                                  "rollout_backend hf (a sampler process) or vllm_server, not the colocated vllm engine")

@@ -40,8 +40,8 @@ def test_A09_A11_a_signal_to_an_async_run_with_workers_writes_the_checkpoint(tmp
     hints = [line for line in err.splitlines() if f"--resume {run_dir}" in line]
     assert len(hints) == 1 and ("SIGTERM" if sig == signal.SIGTERM else "Ctrl-C") in hints[0], err
     assert len(checkpoint_steps(run_dir)) == 1
-    resumed = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", str(checkpoint_steps(run_dir)[0] + 1)),
-                   tmp_path, "resume").ok()
+    steps = max(3, checkpoint_steps(run_dir)[0] + 1)  # above max_staleness 2
+    resumed = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", steps), tmp_path, "resume").ok()
     assert (run_dir / "final" / "model.safetensors").exists() and "Traceback" not in resumed.stderr
 
 
@@ -52,17 +52,17 @@ def test_A14_A15_an_async_checkpoint_resumes_synchronously_and_with_other_sample
     from tests.training.test_run import assert_no_duplicate_steps, records
 
     run_dir = tmp_path / "run"
-    Proc(_async_run(run_dir, "--max-staleness", "2", "--n-grpo-steps", "2", "--checkpoint-every", "1"), tmp_path,
+    Proc(_async_run(run_dir, "--max-staleness", "2", "--n-grpo-steps", "3", "--checkpoint-every", "1"), tmp_path,
          "first").ok()
-    Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "3", "--sampler-threads", "2"), tmp_path,
+    Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "4", "--sampler-threads", "2"), tmp_path,
          "threads").ok()
-    synchronous = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "4", "--max-staleness", "0"), tmp_path,
+    synchronous = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "5", "--max-staleness", "0"), tmp_path,
                        "sync").ok()
     assert "Traceback" not in synchronous.stderr
     steps = [r for r in records(run_dir) if "train_step" in r]
-    assert [r["train_step"] for r in steps] == [0, 1, 2, 3]
-    assert "async/staleness_max" in steps[2] and "async/staleness_max" not in steps[3]  # the last one synchronous
+    assert [r["train_step"] for r in steps] == [0, 1, 2, 3, 4]
+    assert "async/staleness_max" in steps[3] and "async/staleness_max" not in steps[4]  # the last one synchronous
     assert_no_duplicate_steps(run_dir)
-    refused = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "5", "--max-staleness", "1"), tmp_path,
+    refused = Proc(grpolab("grpo", "--resume", run_dir, "--n-grpo-steps", "6", "--max-staleness", "1"), tmp_path,
                    "on").wait()
     assert refused.returncode == 2 and "max_staleness: 0 -> 1" in refused.stderr  # turning it on stays refused
