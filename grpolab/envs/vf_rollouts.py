@@ -135,7 +135,8 @@ class VerifiersDriver:
         state = await self.vf_env.rollout(row, client, key, sampling_args)
         if state.get("error") is not None:
             raise RuntimeError(f"the environment's rollout failed: {_why(state['error'])}")
-        state["grpolab_rubric_errors"] = await score_counting_errors(self.vf_env.rubric, state)
+        if not self.vf_env.rubric.has_group_rewards:  # a group rubric scores the group later, from the messages
+            state["grpolab_rubric_errors"] = await score_counting_errors(self.vf_env.rubric, state)
         return state
 
     def _rollout(self, prompt: str, index: int, exchanges, state, error: str | None) -> Rollout:
@@ -167,9 +168,10 @@ class VerifiersDriver:
             finish = "length"
         info = {"turns": len(exchanges), "unchained_turns": unchained, "env_errors": 0,
                 "template_mismatches": sum(not e.exact for e in exchanges),
-                "model_tokens": sum(mask), "observation_tokens": len(mask) - sum(mask),
-                "vf_score": {"reward": float(state["reward"]), **{k: float(v) for k, v in
-                                                                  (state.get("metrics") or {}).items()}}}
+                "model_tokens": sum(mask), "observation_tokens": len(mask) - sum(mask)}
+        if state.get("reward") is not None:  # scored on the live state (not for a group rubric)
+            info["vf_score"] = {"reward": float(state["reward"]), **{k: float(v) for k, v in
+                                                                     (state.get("metrics") or {}).items()}}
         if state.get("grpolab_rubric_errors"):  # V04: counted as a reward error by VfRubric, not a silent 0
             info["vf_score_error"] = state["grpolab_rubric_errors"][0]
         messages = json.loads(json.dumps(_plain(state.get("completion") or []), default=str))

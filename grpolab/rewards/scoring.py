@@ -132,6 +132,8 @@ class RewardScorer:
         gets, for each of ``rollouts``, ``{"response", "messages", "info"}`` in place of the text."""
         if rollouts is not None and getattr(self.reward_fn, "reads_rollout", False):
             responses = [rollout_view(r) for r in rollouts]
+            if getattr(self.reward_fn, "scores_groups", False):  # a rubric that scores a group together
+                responses = group_views(responses, [getattr(r, "prompt_index", i) for i, r in enumerate(rollouts)])
         elif self.reward_fn is not None and reward_reads(self.reward_fn):  # it declared prompt/question/messages
             responses = [with_context(
                 text, prompts[i] if prompts is not None else getattr(rollouts[i], "prompt", None) if rollouts else None,
@@ -233,6 +235,18 @@ def rollout_view(rollout) -> dict:
     """What a ``reads_rollout`` reward gets of a rollout: the model's text, its chat messages (None
     for a single-turn rollout) and its per-rollout figures, as plain data a worker can be sent."""
     return {"response": rollout.scored_response, "messages": rollout.messages, "info": dict(rollout.info)}
+
+
+def group_views(views: list[dict], prompt_indices: Sequence[int]) -> list[dict]:
+    """Each view with its whole group (``{"group": [views], "member": k}``): a group is the
+    consecutive responses to one prompt (a GRPO group), which a group rubric scores together."""
+    out, start = [], 0
+    for end in range(1, len(views) + 1):
+        if end == len(views) or prompt_indices[end] != prompt_indices[start]:
+            group = views[start:end]
+            out += [{"group": group, "member": k} for k in range(len(group))]
+            start = end
+    return out
 
 
 def check_reward_output_of(reward_fn: Any, response: str, ground_truth: Any) -> dict[str, float]:

@@ -178,13 +178,10 @@ def _find_module(name: str) -> bool:
 
 
 def check_environment(vf, spec: str, env: Any) -> None:
-    """``env`` is a ``vf.Environment`` whose rubric grpolab can score one response at a time."""
+    """``env`` is a ``vf.Environment`` whose rubric has reward functions (per response or per group)."""
     if not isinstance(env, vf.Environment):
         raise ValueError(f"{_what(spec)}: load_environment returned {type(env).__name__}, not a verifiers "
                          "Environment")
-    if env.rubric.has_group_rewards:
-        raise ValueError(f"{_what(spec)}: its rubric has group-level reward functions (scoring a group of "
-                         "rollouts together), which grpolab does not support: it scores each response alone")
     if not _has_reward_functions(env.rubric):
         raise ValueError(f"{_what(spec)}: its rubric has no reward functions (verifiers cannot score with it)")
 
@@ -222,6 +219,16 @@ def _rubrics(rubric) -> list:
 async def score_counting_errors(rubric, state) -> list[str]:
     """``rubric.score_rollout(state)``; returns the errors verifiers logged instead of raising
     (a reward function that raised, or returned what ``float()`` refuses), [] when there were none."""
+    return await _counting_errors(rubric, lambda: rubric.score_rollout(state))
+
+
+async def score_group_counting_errors(rubric, states: list) -> list[str]:
+    """``rubric.score_group(states)`` (its group functions see every state of the group, as in
+    verifiers' own rollouts); returns the errors verifiers logged, as ``score_counting_errors``."""
+    return await _counting_errors(rubric, lambda: rubric.score_group(states))
+
+
+async def _counting_errors(rubric, score) -> list[str]:
     for r in _rubrics(rubric):
         logger = getattr(r, "logger", None)
         if isinstance(logger, logging.Logger) and _COLLECTOR not in logger.handlers:
@@ -229,7 +236,7 @@ async def score_counting_errors(rubric, state) -> list[str]:
     sink: list[str] = []
     token = _RUBRIC_ERRORS.set(sink)
     try:
-        await rubric.score_rollout(state)
+        await score()
     finally:
         _RUBRIC_ERRORS.reset(token)
     return sink
@@ -318,8 +325,12 @@ class VfRubric:
 
     reads_rollout = True  # RewardScorer.score(..., rollouts=...) hands it each rollout's view
 
-    def __init__(self, env: str, args: dict | None = None):
-        self.env, self.args = vf_source(env), dict(args or {})
+    def __init__(self, env: str, args: dict | None = None, scores_groups: bool = False):
+        """``scores_groups``: the rubric has group reward functions (verifiers' ``has_group_rewards``):
+        the scorer then hands each rollout's view with its whole group (``{"group", "member"}``), and
+        the group is scored together (``rubric.score_group``), once per worker (cached)."""
+        self.env, self.args, self.scores_groups = vf_source(env), dict(args or {}), scores_groups
+        self._groups: dict[str, list] = {}
         try:
             self._args_json = json.dumps(self.args, sort_keys=True)
         except (TypeError, ValueError) as exc:
@@ -360,6 +371,11 @@ class VfRubric:
         function 0.0); grpolab raises it here as one line (V04), and a NaN or inf value too: the
         scorer counts either as a reward error and scores the response 0."""
         spec, row = self.env, self._row(ground_truth)
+        if isinstance(response, dict) and "group" in response:
+            scores = self._group_scores(response["group"], row)[response["member"]]
+            if isinstance(scores, str):
+                raise ValueError(scores)
+            return self._checked(scores)
         scores = _live_score(response)
         if scores is None:
             env = load_vf_environment(spec, self.args)
@@ -373,7 +389,42 @@ class VfRubric:
             if errors:
                 raise ValueError(f"{_what(spec)}: the rubric failed: {errors[0]}")
             scores = {"reward": state["reward"], **{f"vf/{k}": v for k, v in (state["metrics"] or {}).items()}}
-        out = {}
+        return self._checked(scores)
+
+    def _group_scores(self, views: list, row: dict) -> list:
+        """The scores (or an error line) of each member of a group, the rubric run once over it: a
+        member with a live score keeps it (a failed rollout's 0), the others are scored together."""
+        key = json.dumps([views, row], sort_keys=True, default=str)
+        if key in self._groups:
+            return self._groups[key]
+        spec = self.env
+        env = load_vf_environment(spec, self.args)
+        out: list = [None] * len(views)
+        states, members = [], []
+        for i, view in enumerate(views):
+            try:
+                out[i] = _live_score(view)
+            except ValueError as exc:
+                out[i] = str(exc)
+            if out[i] is None:
+                try:
+                    states.append(rollout_state(env, row, _completion(view)))
+                    members.append(i)
+                except (TypeError, ValueError) as exc:
+                    out[i] = (f"{_what(spec)}: the row or completion is not verifiers chat messages "
+                              f"({type(exc).__name__}: {_first_line(exc)})")
+        if states:
+            errors = asyncio.run(score_group_counting_errors(env.rubric, states))
+            for i, state in zip(members, states):
+                out[i] = f"{_what(spec)}: the rubric failed: {errors[0]}" if errors else {
+                    "reward": state["reward"], **{f"vf/{k}": v for k, v in (state["metrics"] or {}).items()}}
+        if len(self._groups) >= 64:
+            self._groups.pop(next(iter(self._groups)))
+        self._groups[key] = out
+        return out
+
+    def _checked(self, scores: dict) -> dict[str, float]:
+        spec, out = self.env, {}
         for key, value in scores.items():
             try:
                 value = float(value)

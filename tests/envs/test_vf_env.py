@@ -137,8 +137,6 @@ def test_the_run_environment_of_a_single_turn_one_is_none_and_the_rest_is_one_li
 @pytest.mark.parametrize("spec,args,says", [
     (BROKEN_ENV, {"kind": "raise"}, "load_environment raised RuntimeError: the dataset is gone"),
     (BROKEN_ENV, {"kind": "not_env"}, "load_environment returned dict, not a verifiers Environment"),
-    (BROKEN_ENV, {"kind": "group"}, "group-level reward functions (scoring a group of rollouts together), which "
-                                    "grpolab does not support"),
     (str(HERE / "missing.py"), {}, "not found: no such file"),
     ("no-such-vf-environment", {}, "not found: no module 'no_such_vf_environment'"),
     ("tests.envs.vf_envs", {}, "module tests.envs.vf_envs defines no load_environment function"),

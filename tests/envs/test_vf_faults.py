@@ -122,3 +122,40 @@ def test_the_environments_own_dataset_sets_the_runs_size_by_default(tmp_path):
     assert GRPOConfig(**cfg.to_dict()).task_train_size == 65  # a resume reads it back
     with pytest.raises(ValueError, match=r"has 65 train rows \(its dataset\), fewer than the 100 asked"):
         load_inputs(GRPOConfig(model=model, env=env, task_train_size=100))
+
+
+GROUP_ENV = str(HERE / "group_env.py")
+
+
+def test_a_group_rubric_scores_each_group_together():
+    """Issue 58 item 5: a rubric with a group reward function was refused at load; now each GRPO
+    group (the responses to one prompt) is scored together, in the reward workers."""
+    from grpolab.rollout import Rollout
+
+    task = VerifiersTask(GROUP_ENV)
+    assert task.reward_fn.scores_groups
+    a, b = task.examples("train", 2)
+    x, y = a.answer["row"]["answer"], b.answer["row"]["answer"]
+    texts = [(0, x), (0, f"it is {x}"), (0, "no"), (1, f"it is {y}"), (1, "no")]
+    rollouts = [Rollout("p", t, [1], [2], [0.0], "eos", prompt_index=i) for i, t in texts]
+    truths = [(a, b)[i].answer for i, _ in texts]
+    with RewardScorer(task.reward_fn, timeout_s=60) as scorer:
+        scores = scorer.score([t for _, t in texts], truths, rollouts=rollouts)
+        assert scorer.mode == "process" and scorer.errors == 0, scorer.last_error
+    # "it is X" is not the shortest correct answer of the first group, and is of the second
+    assert [s["reward"] for s in scores] == [1.5, 1.0, 0.0, 1.5, 0.0]
+    assert [s["vf/shortest_correct"] for s in scores] == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_a_grpo_run_trains_on_a_group_rubric(tmp_path):
+    from grpolab.algorithms.grpo import GRPOConfig, train_grpo
+    from grpolab.training.metric_logging import read_metrics
+
+    cfg = GRPOConfig(model=str(chat_model_dir(tmp_path / "m")), env={"verifiers": GROUP_ENV}, n_grpo_steps=2,
+                     rollout_batch_size=8, group_size=4, train_batch_size=8, gradient_accumulation_steps=2,
+                     sampling_max_tokens=4, sampling_min_tokens=1, learning_rate=1e-3, warmup_steps=0,
+                     task_train_size=20, eval_examples=4, run_dir=str(tmp_path / "run"), show_progress=False,
+                     device="cpu")
+    steps = [r for r in read_metrics(train_grpo(cfg).metrics_path) if "train/reward" in r]
+    assert len(steps) == 2 and all("train/reward_vf/shortest_correct" in s for s in steps)
+    assert all(s["health/reward_errors"] == 0 for s in steps)

@@ -36,7 +36,8 @@ class VerifiersTask:
         self.spec, self.args, self.seed = spec, dict(args or {}), seed
         self.name = f"vf:{spec}"
         self.environment = load_vf_environment(self.source, self.args)
-        self.reward_fn = VfRubric(self.source, self.args)  # bound to this environment: data never chooses one
+        # the rubric bound to this environment (data never chooses one), scoring a group at a time if it asks to
+        self.reward_fn = VfRubric(self.source, self.args, scores_groups=self.environment.rubric.has_group_rewards)
         self.kind = environment_kind(self.environment)
         self._rows: dict[str, list[tuple[int, dict]]] = {}
 
