@@ -65,7 +65,12 @@ def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:
     """On a CPU: torch's threads (``cfg.threads``, else what a short probe finds faster, when ``probe``).
     With a sampler process (``max_staleness >= 1``, the hf backend) and neither ``threads`` nor
     ``OMP_NUM_THREADS`` given, the trainer takes the cores the sampler's ``sampler_threads`` leave.
-    ``cfg.keep_freed_memory``: glibc keeps freed blocks for reuse (``resources.keep_freed_memory``)."""
+    ``cfg.keep_freed_memory``: glibc keeps freed blocks for reuse (``resources.keep_freed_memory``).
+    A ``sampler_threads`` that no sampler process uses is said in one line (reliability case A06)."""
+    sampler_process = getattr(cfg, "max_staleness", 0) and getattr(cfg, "rollout_backend", "hf") == "hf"
+    if getattr(cfg, "sampler_threads", 1) != 1 and not sampler_process:
+        print(f"grpolab: sampler_threads {cfg.sampler_threads} is not used: it sets the threads of the sampler "
+              "process, which only max_staleness >= 1 with rollout_backend hf starts", file=sys.stderr)
     if device.type == "cpu":
         if getattr(cfg, "keep_freed_memory", False):
             keep_freed_memory()
