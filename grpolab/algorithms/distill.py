@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -190,11 +191,19 @@ def reverse_kl_figures(student_lp: torch.Tensor, teacher_lp: torch.Tensor, mask:
     return {"reverse_kl": float(gap.sum()) / tokens, "reverse_kl_per_response": float(gap.sum(1).mean())}
 
 
-def heldout_kl(run: Run, teacher, cfg: DistillConfig):
-    """``on_samples`` of validation: the student's reverse KL to the teacher on the held-out samples."""
+def heldout_kl(run: Run, teacher, cfg: DistillConfig, backend):
+    """``on_samples`` of validation: the student's reverse KL to the teacher on held-out samples, both
+    log-probs at ``sampling_temperature`` and the samples drawn there too (C5-5): validation's own when
+    ``eval_temperature`` is the same, else a second draw from ``backend`` for the same prompts, seeded
+    as validation is (samples at another temperature would average over another distribution: not a KL)."""
     pad_id = pad_token_id(run.tokenizer)
+    redraw = cfg.eval_temperature != cfg.policy_temperature
+    sampling = replace(cfg.eval_sampling_params(), temperature=cfg.policy_temperature)
 
     def measure(rollouts) -> dict[str, float]:
+        if redraw:
+            rollouts = backend.generate([r.prompt for r in rollouts], 1, sampling,
+                                        prompt_ids=[r.prompt_ids for r in rollouts])
         batch = make_rollout_batch(rollouts, torch.zeros(len(rollouts)), torch.zeros(len(rollouts)), pad_id)
         rows = max(1, cfg.train_batch_size // cfg.gradient_accumulation_steps)
         student = batched_log_probs(run.sampling_model, batch, rows, run.device, run.autocast, cfg.policy_temperature)
@@ -327,7 +336,7 @@ def train_distill(cfg: DistillConfig, *, model=None, tokenizer=None, resume: boo
         pad_id, sampling = pad_token_id(tokenizer), cfg.sampling_params()
         recorder = TokenRecorder(run.path, cfg.token_record_groups, cfg.seed, enabled=run.is_main,
                                  resume_step=run.step if run.resuming else None)
-        validate = validation(run, backend, inputs, cfg, scorer, on_samples=heldout_kl(run, teacher, cfg))
+        validate = validation(run, backend, inputs, cfg, scorer, on_samples=heldout_kl(run, teacher, cfg, backend))
         before = validate(0) if not run.resuming else None
 
         for step in run.steps():

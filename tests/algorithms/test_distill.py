@@ -188,6 +188,19 @@ def test_distillation_lowers_the_held_out_kl_and_records_per_token_gaps(tmp_path
     assert response["advantage"] == pytest.approx(gaps, abs=2e-3)  # rounded to 3 decimals in the records
 
 
+def test_c5_5_the_held_out_kl_is_the_policys_whatever_eval_temperature(tmp_path, tiny_model):
+    """C5-5: eval/reverse_kl scores log p_student - log p_teacher at the sampling temperature, so its samples are
+    drawn there too (a second, seeded draw when eval_temperature differs): greedy validation (eval_temperature 0)
+    and eval_temperature 1 give the same figure for the same student and teacher, before any update."""
+    figures = {}
+    for temperature in (1.0, 0.0):
+        model, tok = tiny_model()
+        cfg = config(tmp_path, n_distill_steps=1, eval_temperature=temperature, eval_examples=8, eval_every=0,
+                     run_dir=str(tmp_path / f"eval_t{temperature}"))
+        figures[temperature] = train_distill(cfg, model=model, tokenizer=tok).before["reverse_kl"]
+    assert figures[0.0] == figures[1.0], figures
+
+
 def test_prompt_only_data_trains_and_measures_the_held_out_kl(tmp_path, tiny_model):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{b}="}) + "\n" for a in range(5) for b in range(4)))
