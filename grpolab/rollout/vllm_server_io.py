@@ -217,6 +217,18 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+def server_visible_devices(device: str) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a server placed on ``device`` (``vllm_device``): cuda:N is this
+    process's N-th visible GPU, named as this process's own ``CUDA_VISIBLE_DEVICES`` names it; cpu:
+    none ("")."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return ""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    n = int(index or 0)
+    return visible[n] if n < len(visible) else str(n)
+
+
 def _server_threads_env(env: dict, threads: int) -> None:
     """The server's OpenMP threads: ``threads`` of them, bound to the last cores this process may use."""
     env["OMP_NUM_THREADS"] = str(threads)
@@ -231,6 +243,19 @@ def _server_threads_env(env: dict, threads: int) -> None:
 
 
 # ---------------------------------------------------------------- weight senders
+
+
+def _start_update(post) -> None:
+    """``/start_weight_update``; a session a killed trainer left open (the server refuses to start
+    another, and refuses every later trainer: reliability case S13) is finished first, once: this
+    update then loads every weight anew."""
+    try:
+        post("/start_weight_update", None, "start_weight_update")
+    except Exception as exc:
+        if "already active" not in str(exc):
+            raise
+        post("/finish_weight_update", None, "finish_weight_update (of a killed trainer's update)")
+        post("/start_weight_update", None, "start_weight_update")
 
 
 class _SharedMemorySender:
@@ -285,7 +310,7 @@ class _SharedMemorySender:
                                       size=self.capacity, dtype=torch.uint8)
 
     def send(self, weights) -> None:
-        self.post("/start_weight_update", None, "start_weight_update")
+        _start_update(self.post)
         chunk: dict[str, list] = {"names": [], "dtype_names": [], "shapes": [], "offsets": []}
         used, self.chunks_sent = 0, 0
         for name, tensor in weights:
@@ -347,7 +372,7 @@ class _NcclSender:
         future.result()
 
     def send(self, weights) -> None:
-        self.post("/start_weight_update", None, "start_weight_update")
+        _start_update(self.post)
         stream = torch.cuda.current_stream()
         for name, tensor in weights:
             t = tensor.detach().to("cuda").contiguous()

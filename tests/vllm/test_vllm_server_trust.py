@@ -134,11 +134,12 @@ def test_S16_a_planted_weight_file_is_refused_even_with_the_secret(lm, served, t
     try:
         noisy = perturbed(model, 0.3, seed=4)
         backend.sync_weights(noisy)
+        shape = list(model.model.embed_tokens.weight.shape)
         planted = tmp_path / "weights"
-        planted.write_bytes(bytes(104 * 64 * 4))
+        planted.write_bytes(bytes(shape[0] * shape[1] * 4))  # a zero embedding: uniform log-probs if loaded
         os.chmod(planted, 0o644)
         update = {"update_info": {"path": str(planted), "names": ["model.embed_tokens.weight"],
-                                  "dtype_names": ["float32"], "shapes": [[104, 64]], "offsets": [0]}}
+                                  "dtype_names": ["float32"], "shapes": [shape], "offsets": [0]}}
         code, text = status(url + "/update_weights", update, secret)
         assert code >= 400, text
         probe = tmp_path / "probe"
@@ -189,5 +190,23 @@ def test_S14_a_second_live_trainer_is_refused_in_one_line(lm, served):
         assert "already has a trainer" in line and url in line
         out = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=10, seed=2))  # the first still samples
         assert largest_gap(model, out, 1.0) <= LOGPROB_TOL
+    finally:
+        backend.close()
+
+
+def test_S13_a_weight_update_a_killed_trainer_left_open_does_not_block_the_next(lm, served):
+    """A trainer killed between /start_weight_update and /finish_weight_update left the server
+    refusing every later trainer (``start_weight_update called while a weight update is already
+    active``) until it was restarted."""
+    model, tok = lm
+    url, _, secret = served
+    backend = make_backend("vllm_server", model, tok, server_url=url, timeout_s=120)
+    backend.close()  # its place is free, as a killed trainer's is
+    assert status(url + "/start_weight_update", {}, secret)[0] == 200  # ... and it died here
+    noisy = perturbed(model, 0.3, seed=5)
+    backend = make_backend("vllm_server", noisy, tok, server_url=url, timeout_s=120)
+    try:
+        out = backend.generate(PROMPTS, 2, SamplingParams(max_tokens=10, seed=6))
+        assert largest_gap(noisy, out, 1.0) <= LOGPROB_TOL
     finally:
         backend.close()
