@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -70,8 +71,8 @@ def _what(spec: str) -> str:
 @contextmanager
 def signal_handlers_kept():
     """Restore the SIGINT and SIGTERM handlers on the way out: ``Environment.__post_init__`` installs
-    its own (a teardown, then exit), which would replace grpolab's (Ctrl-C: a checkpoint, then exit
-    130). Only the main thread may set handlers; elsewhere this does nothing."""
+    its own (a teardown, then exit), which would replace grpolab's (Ctrl-C or SIGTERM: a checkpoint,
+    then exit 130 or 143). Only the main thread may set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -157,8 +158,8 @@ def _check_importable(vf, spec: str) -> None:
     defines ``load_environment``; else one line saying which is missing."""
     from verifiers.utils.env_utils import env_module_name
 
-    module_name = spec if _find_module(spec) else env_module_name(spec)
-    if not _find_module(module_name):
+    module_name = spec if _find_module_cwd_last(spec) else env_module_name(spec)
+    if not _find_module_cwd_last(module_name):
         raise ValueError(f"{_what(spec)} not found: no module {module_name!r} (give a .py file, a module, or an "
                          "installed environment's name: prime env install NAME)")
     try:
@@ -168,6 +169,23 @@ def _check_importable(vf, spec: str) -> None:
                          f"{_first_line(exc)}") from None
     if not callable(getattr(module, "load_environment", None)):
         raise ValueError(f"{_what(spec)}: module {module_name} defines no load_environment function")
+
+
+def _find_module_cwd_last(name: str) -> bool:
+    """``_find_module``, else with the working directory searched last, as the reward workers search
+    it (V01: under the ``grpolab`` console script, which puts no working directory on ``sys.path``, an
+    environment module there was "not found" while ``python -m grpolab`` imported it)."""
+    if _find_module(name):
+        return True
+    cwd = os.getcwd()
+    if any(entry in ("", ".") or os.path.abspath(entry) == cwd for entry in sys.path):
+        return False
+    sys.path.append(cwd)
+    importlib.invalidate_caches()
+    if _find_module(name):
+        return True
+    sys.path.remove(cwd)
+    return False
 
 
 def _find_module(name: str) -> bool:

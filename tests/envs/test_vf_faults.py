@@ -159,3 +159,14 @@ def test_a_grpo_run_trains_on_a_group_rubric(tmp_path):
     steps = [r for r in read_metrics(train_grpo(cfg).metrics_path) if "train/reward" in r]
     assert len(steps) == 2 and all("train/reward_vf/shortest_correct" in s for s in steps)
     assert all(s["health/reward_errors"] == 0 for s in steps)
+
+
+def test_V01_an_environment_module_in_the_working_directory_loads_under_the_console_script(tmp_path, monkeypatch):
+    """V01: the ``grpolab`` console script has no working directory on ``sys.path``: ``env:
+    {verifiers: my_env}`` beside the user was "not found" there (``python -m grpolab`` found it);
+    the working directory is now searched last, as the reward workers search it."""
+    (tmp_path / "h7_cwd_sum_env.py").write_text((HERE / "sum_env.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != tmp_path])
+    env = load_vf_environment("h7_cwd_sum_env", {"n": 8})
+    assert len(env.build_dataset()) == 8 and sys.path[-1] == str(tmp_path)
