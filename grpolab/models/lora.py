@@ -165,5 +165,29 @@ def own_merged(shell, policy, dtype: torch.dtype | None) -> set[str]:
         target.weight = torch.nn.Parameter(torch.empty_like(base.weight, dtype=keep), requires_grad=False)
         if dtype is not None and base.weight.dtype != dtype:
             base.weight = torch.nn.Parameter(base.weight.detach().to(dtype), requires_grad=False)
+            for layer in (base, target):  # a forward outside autocast (an entropy probe) runs too
+                layer.register_forward_hook(outside_autocast)
+                layer.register_forward_pre_hook(input_in_weight_dtype)
         own.add(f"{name}.weight")
     return own
+
+
+def _autocast_on(x: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(x.device.type)
+
+
+def input_in_weight_dtype(module, args):
+    """Forward pre-hook of a linear layer stored in bf16, outside autocast only (autocast casts the input
+    itself, so nothing changes there): the input cast to bf16; ``outside_autocast`` casts the output
+    back to the input's dtype. Module-level functions: a pickled model keeps them."""
+    x = args[0]
+    if _autocast_on(x) or x.dtype == module.weight.dtype:
+        return None
+    module._input_dtype = x.dtype
+    return (x.to(module.weight.dtype), *args[1:])
+
+
+def outside_autocast(module, args, output):
+    """Forward hook paired with ``input_in_weight_dtype``: the output in the input's dtype (fp32)."""
+    dtype = module.__dict__.pop("_input_dtype", None)
+    return output.to(dtype) if dtype is not None else None

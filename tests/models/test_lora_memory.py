@@ -65,3 +65,20 @@ def test_the_frozen_base_is_held_in_the_run_dtype_and_the_sampler_owns_only_merg
     ids = torch.randint(4, 40, (2, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"), torch.no_grad():
         assert torch.equal(policy(ids).logits, twin(ids).logits)
+
+
+def test_a_bf16_lora_run_validates_and_resumes_to_the_same_adapter(tmp_path, small_run):
+    # validation's generation log runs the sampler's copy outside autocast (token entropies): it must run
+    from grpolab.algorithms.grpo import train_grpo
+
+    kw = dict(small_run, model="embedded:tiny", task="arithmetic", rollout_batch_size=4, group_size=2,
+              train_batch_size=4, gradient_accumulation_steps=2, lora_r=4, lora_alpha=8, dtype="bfloat16",
+              learning_rate=1e-3, checkpoint_every=1, threads=1, reward="tests.helpers.reward_fixtures:length_parity")
+    train_grpo(GRPOConfig(run_dir=str(tmp_path / "a"), n_grpo_steps=2, **kw))
+    train_grpo(GRPOConfig(run_dir=str(tmp_path / "b"), n_grpo_steps=1, **kw))
+    train_grpo(GRPOConfig(run_dir=str(tmp_path / "b"), n_grpo_steps=2, **kw), resume=True)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / r / "final" / "adapter_model.safetensors") for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)  # the adapter did train
