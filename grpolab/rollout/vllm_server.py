@@ -119,6 +119,8 @@ class VLLMServerBackend:
         if server_threads < 1:
             raise ValueError(f"server_threads must be >= 1, got {server_threads}")
         self.model, self.tokenizer, self.generator = model, tokenizer, generator
+        # the sync canary's tolerance: a server started here holds ``dtype``; another's is not known here
+        self.weights_dtype = getattr(torch, dtype) if server_url is None else torch.bfloat16
         self.timeout_s, self.sleep_mode, self._asleep = float(timeout_s), enable_sleep_mode, False
         self._stop_ids: dict[tuple[str, ...], dict[int, str]] = {}
         self._proc: subprocess.Popen | None = None
@@ -316,6 +318,17 @@ class VLLMServerBackend:
         if self._world > 1:
             torch.distributed.barrier()  # no rank samples before the new weights are in
         self.last_sync_s = time.perf_counter() - t0
+
+    def probe_log_probs(self, ids: Sequence[int]) -> list[float]:
+        """The server's untempered log-probs of ``ids[1:]`` after their prefixes (vLLM's
+        ``prompt_logprobs``): what the sync canary reads the served weights through (rank 0's server)."""
+        body = dict(model=self.served_model, prompt=list(ids), max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        with self._turn:
+            self._wake()
+            out = self._post("/v1/completions", body, "the sync canary's probe")
+            self.sleep()
+        entries = out["choices"][0]["prompt_logprobs"][1:]
+        return [float(e[str(t)]["logprob"]) for e, t in zip(entries, ids[1:])]
 
     def _reset_prefix_cache(self) -> None:
         for _ in range(50):  # it fails while blocks are held; nothing runs during a sync, so only briefly

@@ -77,3 +77,24 @@ def test_an_async_run_whose_sync_drops_a_tensor_stops_naming_the_step(grpo_confi
     monkeypatch.setattr(RunModel, "full_weights", dropping)
     with pytest.raises(WeightSyncError, match=rf"^step 0 \(policy version 1\): sync canary: .*{DROPPED} was not sent"):
         train_grpo(grpo_config(n_grpo_steps=3, max_staleness=1, eval_examples=2, log_generations_samples=0))
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_lora_async_run_syncs_the_merged_weights_and_a_dropped_one_stops_it(grpo_config, monkeypatch, drop):
+    pytest.importorskip("peft", reason="LoRA needs the scale extra (pip install -e '.[scale]')")
+    from grpolab.algorithms.grpo import train_grpo
+    from grpolab.training.run_model import RunModel
+
+    full, merged = RunModel.full_weights, "model.layers.0.self_attn.q_proj.weight"  # a LoRA layer, merged
+
+    def sender(self):
+        return ((k, v) for k, v in full(self) if not (drop and k == merged))
+
+    monkeypatch.setattr(RunModel, "full_weights", sender)
+    cfg = grpo_config(n_grpo_steps=3, max_staleness=1, eval_examples=2, log_generations_samples=0, lora_r=4,
+                      lora_target_modules=["q_proj", "v_proj"])
+    if drop:
+        with pytest.raises(WeightSyncError, match=rf"^step 0 \(policy version 1\): sync canary: .*{merged} was not"):
+            train_grpo(cfg)
+    else:
+        assert train_grpo(cfg).final_dir.exists()

@@ -40,6 +40,23 @@ def test_a_vllm_run_passes_full_syncs_and_stops_when_the_sender_drops_a_tensor(g
                                reward=DIGIT, run_dir=str(result.final_dir.parent.parent / "dropped")))
 
 
+def test_a_vllm_server_run_passes_full_syncs_and_stops_when_the_sender_drops_a_tensor(grpo_config, monkeypatch,
+                                                                                      tmp_path):
+    from grpolab.algorithms.grpo import train_grpo
+
+    checked, check = [], RunModel.check_sync
+    monkeypatch.setattr(RunModel, "check_sync", lambda self, backend, step=None: (checked.append(step),
+                                                                                  check(self, backend, step)))
+    train_grpo(grpo_config(n_grpo_steps=2, rollout_backend="vllm_server", eval_examples=2, reward=DIGIT,
+                           run_dir=str(tmp_path / "full")))
+    assert checked == [0, 1]  # every full sync checked through the server's prompt log-probs, and passed
+    full = RunModel.full_weights
+    monkeypatch.setattr(RunModel, "full_weights", lambda self: ((k, v) for k, v in full(self) if k != DROPPED))
+    with pytest.raises(WeightSyncError, match=r"^step 0: sync canary: the rollout engine's log-probs .* float32"):
+        train_grpo(grpo_config(n_grpo_steps=2, rollout_backend="vllm_server", eval_examples=2, learning_rate=1e-2,
+                               reward=DIGIT, run_dir=str(tmp_path / "server")))
+
+
 def test_the_tolerance_follows_the_engines_dtype():
     assert probe_tolerance(torch.float32) == 1e-3
     assert probe_tolerance(torch.bfloat16) == pytest.approx(0.25)
