@@ -8,19 +8,21 @@ token entropy on its samples, the reward of the samples, and the SFT loss.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from pydantic import Field
 
 from ..core import pad_token_id
 from ..eval import token_entropies
 from ..rewards import RewardScorer
-from ..rollout import make_backend
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
 from ..training.inputs import load_inputs
 from ..training.optimization import make_optimizer
 from ..training.resources import check_sampled_inputs
 from ..training.run import ListState, Run, TrainResult, validation
+from ..training.run_setup import run_backend
 from ..training.sampled_run_config import SampledRunConfig
 
 
@@ -28,6 +30,7 @@ class EIConfig(SampledRunConfig):
     """Expert iteration's fields (CS336 A5 Algorithm 2's names), beside the sampling ones."""
 
     command, steps_field, step_key = "ei", "n_ei_steps", "ei_step"
+    samples_with_vllm = True  # samples through the configured backend, synced before each sampling round
     # --- Expert iteration (CS336 Algorithm 2)
     n_ei_steps: int = Field(5, ge=1)
     """Outer steps (CS336's n_ei_steps): each samples, filters and trains."""
@@ -71,6 +74,15 @@ def sft_on_kept(
     return losses
 
 
+def sync(run: Run, backend) -> float:
+    """Give a backend with its own weights (a vLLM engine or server) the current ones; its seconds."""
+    if not run.weights.engine_holds_weights:
+        return 0.0
+    t0 = time.perf_counter()
+    run.weights.sync(backend)
+    return time.perf_counter() - t0
+
+
 def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume: bool = False,
                            overwrite: bool = False) -> TrainResult:
     inputs = load_inputs(cfg, tokenizer)
@@ -81,12 +93,13 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
         optimizer = run.track("optimizer", make_optimizer(model, cfg.learning_rate, cfg.betas, cfg.weight_decay))
         questions = run.track("data", ExampleSampler(len(inputs.train), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
-        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator,
-                               max_batch_size=cfg.rollout_max_batch_size,
-                               autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None)
+        backend = run_backend(run, generator)  # hf, or a vLLM engine / server (CS336 samples with vLLM)
+        run.on_close(backend.close)
         sampling, pad_id = cfg.sampling_params(), pad_token_id(tokenizer)
         sizes = run.track("filtered_sizes", ListState()).items
+        trained = False  # since the engine (if any) last got the weights
         for step in run.steps():
+            sync_s = sync(run, backend) if trained else 0.0
             # every rank draws the same questions and samples its share; the kept responses are gathered
             batch = distributed.shard(
                 [inputs.train[i] for i in questions.next(min(cfg.ei_batch_size, len(inputs.train)))]
@@ -104,12 +117,17 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
                       "ei/reward": sum(s["reward"] for s in scores) / len(scores),
                       "ei/response_entropy": sum(entropy) / max(1, len(entropy)),
                       "ei/response_length": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+            if run.weights.engine_holds_weights:
+                record["time/weight_sync_s"] = sync_s
             if len(kept) >= cfg.gradient_accumulation_steps * distributed.current().world_size:
                 losses = sft_on_kept(run, optimizer, kept, cfg, step, pad_id)
                 record["ei/sft_token_nll"] = sum(losses) / len(losses)
+                trained = True
             run.log(record)
             run.bar.set_postfix(kept=len(kept), reward=f"{record['ei/reward']:.3f}")
             run.end_step(step + 1)
+        if trained:
+            sync(run, backend)
         after = validation(run, backend, inputs, cfg, scorer)(cfg.n_ei_steps)
         scorer.close()
         return run.finish(after, filtered_sizes=sizes)

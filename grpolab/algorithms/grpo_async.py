@@ -16,6 +16,7 @@ from ..rollout import make_backend
 from ..training.async_rollouts import AsyncRollouts
 from ..training.batching import ExampleSampler
 from ..training.run import Run
+from ..training.run_setup import run_backend
 from .grpo_metrics import StepClock
 from .grpo_sampling import (
     LockedScorer,
@@ -197,10 +198,7 @@ def rollout_source(run: Run, cfg: GRPOConfig, inputs, scorer, sampler, sampling,
     backend, or with ``max_staleness >= 1`` ``Asynchronous`` on a sampler with its own weights (its
     scorer then shared with validation behind a lock)."""
     tokenizer = run.tokenizer
-    make = lambda: make_backend(  # noqa: E731
-        cfg.rollout_backend, run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,
-        autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
-        **cfg.backend_options())
+    make = lambda: run_backend(run, generator)  # noqa: E731
     with_env = (lambda b: EnvBackend(b, run.env, template=inputs.template)) if run.env is not None \
         else (lambda b: b)  # multi-turn
     if cfg.max_staleness:  # a sampler with its own weights runs ahead (training/async_rollouts.py)

@@ -26,7 +26,6 @@ from ..data import SFTPair, TemplateError, conversation_segments
 from ..data.prompts.chat import check_system_prompt_fits
 from ..envs import EnvBackend, replay_demonstrations
 from ..rewards import RewardScorer
-from ..rollout import make_backend
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
 from ..training.inputs import fitting_indices, load_sft_inputs
@@ -34,6 +33,7 @@ from ..training.optimization import effective_warmup, make_optimizer, make_sched
 from ..training.resources import check_sampled_inputs, context_length
 from ..training.run import Run, TrainResult, validation
 from ..training.run_config import EnvOptions
+from ..training.run_setup import run_backend
 from ..training.sampled_run_config import SampledRunConfig
 
 
@@ -41,6 +41,7 @@ class SFTConfig(SampledRunConfig):
     """SFT's fields (CS336 A5 §4), beside the sampling ones its validation uses."""
 
     command, steps_field, step_key = "sft", "n_sft_steps", "sft_step"
+    samples_with_vllm = True  # validation samples through the configured backend, synced before each
     # --- SFT: data
     filter_correct: bool = False
     """Keep only the pairs whose response the verifier accepts (CS336 §4.3); needs a ground truth per pair."""
@@ -216,12 +217,15 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         sampler = run.track("data", ExampleSampler(len(pairs), cfg.seed))
         generator = run.track_rng("sampling", torch.Generator().manual_seed(cfg.seed))
         scorer = RewardScorer(inputs.reward, timeout_s=cfg.reward_timeout_s) if inputs.reward is not None else None
-        backend = make_backend("hf", run.sampling_model, tokenizer, generator=generator)
+        backend = run_backend(run, generator)  # hf, or a vLLM engine / server (CS336: vLLM evaluates the policy)
+        run.on_close(backend.close)
         measure = validation(run, EnvBackend(backend, env, template=inputs.template) if env is not None else backend,
                              inputs, cfg, scorer)
         reached = []  # (step, figures) of the validation whose accuracy reached stop_at_eval_accuracy
 
         def validate(step: int) -> dict:
+            if run.weights.engine_holds_weights:  # the engine's own copy gets the current weights first
+                run.weights.sync(backend)
             metrics = measure(step)
             if cfg.stop_at_eval_accuracy is not None and metrics.get("accuracy", 0.0) >= cfg.stop_at_eval_accuracy:
                 reached.append((step, metrics))

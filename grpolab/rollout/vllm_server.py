@@ -71,6 +71,7 @@ from .vllm_server_io import (  # noqa: F401 - VLLMServerError, check_vllm_server
     check_vllm_server_options,
     find_secret,
     new_secret,
+    server_visible_devices,
 )
 
 SERVED_NAME = "grpolab"
@@ -114,7 +115,7 @@ class VLLMServerBackend:
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, dtype: str = "float32",
                  cpu_kvcache_space_gib: int = 1, enforce_eager: bool | None = None, seed: int = 0,
                  server_url: str | None = None, timeout_s: float = 300.0, server_threads: int = 1,
-                 max_concurrency: int = 64):
+                 max_concurrency: int = 64, device: str | None = None):
         check_vllm_server_options(server_url, enable_sleep_mode, tensor_parallel_size)
         if server_threads < 1:
             raise ValueError(f"server_threads must be >= 1, got {server_threads}")
@@ -141,10 +142,11 @@ class VLLMServerBackend:
                                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                                           enable_sleep_mode=enable_sleep_mode, dtype=dtype,
                                           cpu_kvcache_space_gib=cpu_kvcache_space_gib, enforce_eager=enforce_eager,
-                                          seed=seed, server_threads=server_threads)
+                                          seed=seed, server_threads=server_threads, device=device)
                     except Exception as exc:  # every rank fails with the same line, none waits for a URL
                         error = exc
-                url = self._share([url, None if error is None else f"{type(error).__name__}: {error}"], error)
+                url = self._share([url, None if error is None else f"{type(error).__name__}: {error}",
+                                   self._secret], error)
             else:
                 url = server_root(server_url)
                 self._secret = find_secret(url)
@@ -165,10 +167,10 @@ class VLLMServerBackend:
 
     # ---------------------------------------------------------------- the server process
     def _share(self, payload: list, error: Exception | None) -> str:
-        """Rank 0's URL (or its failure) for every rank."""
+        """Rank 0's URL (or its failure) and its server's secret for every rank (the job's own processes)."""
         if self._world > 1:
             torch.distributed.broadcast_object_list(payload, src=0)
-        url, message = payload
+        url, message, self._secret = payload
         if error is not None:
             raise error
         if message is not None:
@@ -176,7 +178,8 @@ class VLLMServerBackend:
         return url
 
     def _start(self, model, tokenizer, *, gpu_memory_utilization, max_model_len, tensor_parallel_size,
-               enable_sleep_mode, dtype, cpu_kvcache_space_gib, enforce_eager, seed, server_threads) -> str:
+               enable_sleep_mode, dtype, cpu_kvcache_space_gib, enforce_eager, seed, server_threads,
+               device: str | None = None) -> str:
         cuda = torch.cuda.is_available()
         self._dir = _engine_dir(model, tokenizer)
         self._log_dir = tempfile.mkdtemp(prefix="grpolab-vllm-server-")
@@ -205,6 +208,8 @@ class VLLMServerBackend:
         # the server imports the grpolab this process runs
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        if device is not None:  # vllm_device: the server sees that GPU alone (none for cpu)
+            env["CUDA_VISIBLE_DEVICES"] = server_visible_devices(device)
         if not cuda:
             _server_threads_env(env, server_threads)
         with open(self.log_path, "wb") as log:
@@ -467,4 +472,3 @@ class VLLMServerBackend:
             reason = "eos"
         return Rollout(prompt=prompt, response=text, prompt_ids=list(prompt_ids), response_ids=response_ids,
                        logprobs=logprobs, finish_reason=reason, prompt_index=index)
-

@@ -31,8 +31,6 @@ import torch
 
 from ..eval import evaluate, log_generations
 from ..models import load_model_and_tokenizer
-from ..rollout.vllm import check_vllm_options
-from ..rollout.vllm_server import check_vllm_server_options
 from . import distributed
 from .checkpoints import CheckpointManager, find_resume_checkpoint
 from .health import NonFiniteWeightsError
@@ -40,7 +38,15 @@ from .metric_logging import MetricsLogger, progress
 from .optimization import StepResult, current_lr, nonfinite_parameters
 from .run_dir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, PLOT_FILE, SAMPLES_DIR, claim_run_dir, prepare_run_dir
 from .run_model import RunModel, check_distributed
-from .run_setup import autocast_for, build_run_env, load_run_model, resolve_device, seed_everything, set_cpu_threads
+from .run_setup import (
+    autocast_for,
+    build_run_env,
+    check_backend,
+    load_run_model,
+    resolve_device,
+    seed_everything,
+    set_cpu_threads,
+)
 
 
 class RunInterrupted(Exception):
@@ -110,10 +116,7 @@ class Run:
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
             check_inputs(self.sampling_model, self.tokenizer, self.device)
         self.env = build_run_env(cfg, self.tokenizer)  # tools, retrieval index: built before the directory is touched
-        if getattr(cfg, "rollout_backend", "hf") == "vllm":  # the backend's options, before anything is touched
-            check_vllm_options(**cfg.backend_options())
-        elif getattr(cfg, "rollout_backend", "hf") == "vllm_server":
-            check_vllm_server_options(**cfg.backend_options())
+        check_backend(cfg, self.device)  # the rollout backend's options, before anything is touched
         distributed.barrier()  # every rank has checked everything before rank 0 touches the directory
         # inputs are valid and the model loaded: only now is the directory touched
         if self.is_main:

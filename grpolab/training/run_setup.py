@@ -14,6 +14,9 @@ import torch
 from ..envs import build_env
 from ..envs.vf import build_vf_env
 from ..models import set_logits_fp32
+from ..rollout import make_backend
+from ..rollout.vllm import check_vllm_options
+from ..rollout.vllm_server import check_vllm_server_options
 from .config import ConfigError
 from .resources import choose_cpu_threads, choose_dtype, keep_freed_memory, model_shape
 
@@ -59,6 +62,45 @@ def resolve_device(device: str, field: str = "device") -> torch.device:
     elif resolved.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{field}: {device!r}, but this torch has no MPS device; set {field}: cpu (or auto)")
     return resolved
+
+
+def check_backend(cfg, policy: torch.device) -> None:
+    """The rollout backend's options on this machine (``rollout_backend``, ``vllm_*``), before the run
+    directory is touched: one line each (vLLM importable, sleep mode with CUDA, ``vllm_device``)."""
+    check_vllm_device(cfg, policy)
+    backend = getattr(cfg, "rollout_backend", "hf")
+    if backend == "vllm":
+        check_vllm_options(**cfg.backend_options())
+    elif backend == "vllm_server":
+        check_vllm_server_options(**cfg.backend_options())
+
+
+def run_backend(run, generator: torch.Generator | None = None):
+    """The configured rollout backend of ``run`` (``rollout_backend``: hf, a colocated vLLM engine, a
+    vLLM server, with the config's ``vllm_*`` knobs) over its sampling model. An engine holds its own
+    weights: ``run.weights.sync(backend)`` gives it the current ones; the caller closes it."""
+    cfg = run.cfg
+    return make_backend(cfg.rollout_backend, run.sampling_model, run.tokenizer,
+                        max_batch_size=cfg.rollout_max_batch_size,
+                        autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
+                        **cfg.backend_options())
+
+
+def check_vllm_device(cfg, policy: torch.device) -> None:
+    """``vllm_device`` on this machine, before the run directory is touched: a device it has, the
+    colocated engine only on the policy's device (it runs in the trainer's process), no CPU engine
+    beside CUDA (the weights then move by NCCL, GPU to GPU). One ``ConfigError`` line otherwise."""
+    if getattr(cfg, "vllm_device", None) is None:
+        return
+    engine = resolve_device(cfg.vllm_device, "vllm_device")
+    if engine.type == "cpu" and torch.cuda.is_available():
+        raise ConfigError(f"vllm_device: {cfg.vllm_device!r} on a machine with CUDA: vLLM's CUDA build runs on a GPU "
+                          "and the weights move to it by NCCL; name a GPU (cuda:N) or leave vllm_device unset")
+    index = lambda d: (d.type, d.index or 0 if d.type == "cuda" else None)  # noqa: E731 - cuda is cuda:0
+    if cfg.rollout_backend == "vllm" and index(engine) != index(policy):
+        raise ConfigError(f"vllm_device: {cfg.vllm_device!r}, but rollout_backend vllm runs the engine in the "
+                          f"trainer's process, on the policy's device ({policy}); for vLLM on another GPU use "
+                          "rollout_backend: vllm_server")
 
 
 def set_cpu_threads(cfg, device: torch.device, probe: bool) -> None:

@@ -52,13 +52,18 @@ class SampledRunConfig(RunConfig):
     """Rows sampled at once, whatever group_size is: lower it when sampling runs out of memory."""
     rollout_backend: Literal["hf", "vllm", "vllm_server"] = "hf"
     """hf: the training model samples (max_staleness >= 1: a sampler process); vllm: a vLLM engine in this process,
-    synced after each update; vllm_server: a `vllm serve` process, synced by vLLM's weight transfer (GRPO only)."""
+    synced after each update; vllm_server: a `vllm serve` process, synced by vLLM's weight transfer (grpo; sft's
+    validation and ei's sampling, synced before each)."""
     vllm_server_url: str | None = None
     """vllm_server: the base URL of a running `vllm serve` (e.g. http://127.0.0.1:8000) started with grpolab's
     weight-transfer engine; null: the run starts one on a free local port and stops it at the end."""
     vllm_server_timeout_s: float = Field(300.0, gt=0)
     """vllm_server: seconds to wait for the server to start and for one request; past it the run stops with one
     line (resumable from its last checkpoint)."""
+    vllm_device: str | None = None
+    """Where the vLLM engine runs (cpu, cuda:N); null: the policy's device. CS336's layout, the policy on one GPU and
+    vLLM on another: device cuda:0, vllm_device cuda:1, rollout_backend vllm_server (the server grpolab starts sees
+    only that GPU; weights move by NCCL). Checked against this machine's GPUs when the run starts."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM: the share of GPU memory for its weights and KV cache."""
     vllm_max_model_len: int | None = Field(None, ge=1)
@@ -81,8 +86,17 @@ class SampledRunConfig(RunConfig):
     def _check_sampling(self):
         if self.rollout_backend != "hf" and not self.samples_with_vllm:
             # the message names the commands whose trainers sync an engine (grpo's config sets samples_with_vllm)
-            raise ValueError(f"rollout_backend '{self.rollout_backend}' is supported by grpo and grpolab eval; "
-                             f"{self.command} samples with the training model: use rollout_backend 'hf'")
+            raise ValueError(f"rollout_backend '{self.rollout_backend}' is supported by grpo, sft, ei and grpolab "
+                             f"eval; {self.command} samples with the training model: use rollout_backend 'hf'")
+        if self.vllm_device is not None:
+            if self.rollout_backend == "hf":
+                raise ValueError(f"vllm_device ({self.vllm_device!r}) places a vLLM engine: set rollout_backend "
+                                 "vllm_server (or vllm), or leave vllm_device unset")
+            if self.rollout_backend == "vllm_server" and self.vllm_server_url is not None:
+                raise ValueError(f"vllm_device ({self.vllm_device!r}) places the server grpolab starts; the one at "
+                                 "vllm_server_url runs where it was started (its CUDA_VISIBLE_DEVICES): unset one")
+            if self.vllm_device != "cpu" and not self.vllm_device.startswith("cuda"):
+                raise ValueError(f"vllm_device must be cpu, cuda or cuda:N, got {self.vllm_device!r}")
         if self.sampling_min_tokens > self.sampling_max_tokens:
             raise ValueError(f"sampling_min_tokens ({self.sampling_min_tokens}) exceeds sampling_max_tokens "
                              f"({self.sampling_max_tokens})")
@@ -103,7 +117,7 @@ class SampledRunConfig(RunConfig):
         if self.rollout_backend == "hf":
             return {}
         server = {} if self.rollout_backend == "vllm" else dict(
-            server_url=self.vllm_server_url, timeout_s=self.vllm_server_timeout_s)
+            server_url=self.vllm_server_url, timeout_s=self.vllm_server_timeout_s, device=self.vllm_device)
         return server | dict(gpu_memory_utilization=self.vllm_gpu_memory_utilization,
                     max_model_len=self.vllm_max_model_len,
                     tensor_parallel_size=self.vllm_tensor_parallel_size,

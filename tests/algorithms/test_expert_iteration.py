@@ -48,7 +48,7 @@ def test_expert_iteration_filters_and_trains(tmp_path, monkeypatch, tiny_model, 
     """Seeded and deterministic: each step keeps exactly the responses the verifier accepts, trains
     on exactly their sampled ids (end token included), and the weights move."""
     sampled, trained = [], []
-    make_backend, accumulate = ei.make_backend, ei.accumulate_sft_gradient
+    make_backend, accumulate = ei.run_backend, ei.accumulate_sft_gradient
 
     def recording_backend(*args, **kw):
         backend = make_backend(*args, **kw)
@@ -66,7 +66,7 @@ def test_expert_iteration_filters_and_trains(tmp_path, monkeypatch, tiny_model, 
         trained.append([(list(p), list(r)) for p, r in sequences])
         return accumulate(model, sequences, *args, **kw)
 
-    monkeypatch.setattr(ei, "make_backend", recording_backend)
+    monkeypatch.setattr(ei, "run_backend", recording_backend)
     monkeypatch.setattr(ei, "accumulate_sft_gradient", recording_accumulate)
     cfg = EIConfig(n_ei_steps=2, ei_batch_size=8, group_size=4, train_batch_size=4, gradient_accumulation_steps=2,
                    learning_rate=1e-3, run_dir=str(tmp_path / "ei"),

@@ -234,7 +234,7 @@ def test_rollout_backend_vllm_is_grpo_only_and_turns_the_is_correction_on():
     options = GRPOConfig(rollout_backend="vllm", dtype="bfloat16", vllm_cpu_kvcache_space_gib=2).backend_options()
     assert options["dtype"] == "bfloat16" and options["cpu_kvcache_space_gib"] == 2
     assert GRPOConfig().backend_options() == {}
-    with pytest.raises(ConfigError, match="rollout_backend 'vllm' is supported by grpo and grpolab eval; ppo"):
+    with pytest.raises(ConfigError, match="rollout_backend 'vllm' is supported by grpo, sft, ei and grpolab eval; ppo"):
         PPOConfig.build(overrides={"rollout_backend": "vllm"})
 
 
