@@ -137,9 +137,9 @@ class GRPOConfig(PolicyUpdateConfig):
     """0: synchronous. k >= 1: a sampler with its own weights (hf: a sampler process; vllm_server) samples batch b
     under the weights of step b - k while the trainer trains; the loss corrects by the sampler's log-probs (tis)."""
     check_weight_sync: bool = True
-    """The sync canary: after every weight sync to a sampler with its own weights (the sampler process, a vLLM
-    engine; LoRA merged), compare float64 sums of each of its tensors with the trainer's and stop with one line
-    naming the step when one was not sent or differs (veRL #7495). About 0.1 s a sync for 135M parameters."""
+    """The sync canary: after every weight sync to a sampler with its own weights, check they are the trainer's
+    and stop with one line naming the step when not (veRL #7495): the sampler process compares per-tensor float64
+    sums (0.24 s for SmolLM2), a vLLM engine or server its log-probs of a fixed probe. False: skip it."""
     sampler_threads: int = Field(1, ge=1)
     """max_staleness >= 1 with rollout_backend hf: torch threads of the sampler process (1: one core generates
     while the trainer's `threads` train)."""
