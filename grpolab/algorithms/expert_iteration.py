@@ -123,6 +123,11 @@ def train_expert_iteration(cfg: EIConfig, *, model=None, tokenizer=None, resume:
                 losses = sft_on_kept(run, optimizer, kept, cfg, step, pad_id)
                 record["ei/sft_token_nll"] = sum(losses) / len(losses)
                 trained = True
+            else:  # too few to fill one micro-batch per rank: this step's SFT is skipped, said and counted
+                record.update({"train/skipped_updates": 1, "train/skipped_updates_too_few_kept": 1})
+                run.bar.write(f"grpolab health: ei step {step}: {len(kept)} correct response(s) kept, fewer than the "
+                              f"{cfg.gradient_accumulation_steps * distributed.current().world_size} one SFT step "
+                              "needs (gradient_accumulation_steps x ranks): this step's SFT skipped")
             run.log(record)
             run.bar.set_postfix(kept=len(kept), reward=f"{record['ei/reward']:.3f}")
             run.end_step(step + 1)

@@ -65,3 +65,16 @@ def test_a_non_finite_update_is_counted_per_step(tmp_path):
                        model=model, tokenizer=tok)
     steps = [r for r in read_metrics(result.metrics_path) if "train_step" in r]
     assert [(r["train/skipped_updates"], r["train/skipped_updates_nonfinite"]) for r in steps] == [(1, 1), (1, 1)]
+
+
+def test_an_expert_iteration_step_that_keeps_too_few_is_said_and_counted(tmp_path, small_run, capsys):
+    from grpolab.algorithms.expert_iteration import EIConfig, train_expert_iteration
+
+    cfg = EIConfig(n_ei_steps=2, ei_batch_size=4, group_size=2, train_batch_size=4, gradient_accumulation_steps=2,
+                   reward="tests.helpers.reward_fixtures:always_zero", run_dir=str(tmp_path / "ei"), **small_run)
+    result = train_expert_iteration(cfg)
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("correct response(s) kept, fewer than the 2 one SFT step needs") == 2
+    steps = [r for r in read_metrics(result.metrics_path) if "ei/filtered_size" in r]
+    assert [(r["ei/filtered_size"], r["train/skipped_updates"], r["train/skipped_updates_too_few_kept"])
+            for r in steps] == [(0, 1, 1), (0, 1, 1)]
