@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from ..rewards import RewardScorer
 from ..rewards.reward_model import unnormalized
-from ..rewards.vf_rubric import GROUND_TRUTH_KEYS, load_vf_environment, vf_source
+from ..rewards.vf_rubric import VfRubric, load_vf_environment, vf_source
 from ..rollout import Rollout, SamplingParams
 
 
@@ -78,13 +78,11 @@ def rubric_roles(spec: str, args: dict | None = None) -> tuple[str | None, str |
     return (max(answers)[2] if answers else None), fmt
 
 
-def vf_roles(ground_truths: Sequence) -> tuple[str | None, str | None] | None:
-    """A verifiers rubric's (answer, format) function names (``rubric_roles``) when the ground truths
-    are a verifiers environment's rows, else None."""
-    gt = ground_truths[0] if ground_truths else None
-    if not isinstance(gt, dict) or any(k not in gt for k in GROUND_TRUTH_KEYS):
-        return None
-    return rubric_roles(gt["env"], gt["args"])
+def vf_roles(reward: Any) -> tuple[str | None, str | None] | None:
+    """A verifiers rubric's (answer, format) function names (``rubric_roles``) when the reward is a
+    verifiers environment's rubric (``VfRubric``: the configured environment, never one a ground
+    truth names: issue 57 V02), else None."""
+    return rubric_roles(reward.env, reward.args) if isinstance(reward, VfRubric) else None
 
 
 def correctness(scores: list[dict[str, float]], model_names: list[str],
@@ -156,7 +154,7 @@ def evaluate(
     scores, errors, model_names = _score(scorer, reward_fn, reward_timeout_s, [r.scored_response for r in rollouts],
                                          gts, [r.prompt for r in rollouts],
                                          [examples[r.prompt_index].question for r in rollouts], rollouts)
-    vf = vf_roles(gts)
+    vf = vf_roles(scorer.reward_fn if scorer is not None else reward_fn)
     correct = correctness(scores, model_names, vf)
     metrics = {
         **score_metrics(scores, [len(r.response_ids) for r in rollouts], model_names, correct, vf),

@@ -170,3 +170,21 @@ def test_V01_an_environment_module_in_the_working_directory_loads_under_the_cons
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != tmp_path])
     env = load_vf_environment("h7_cwd_sum_env", {"n": 8})
     assert len(env.build_dataset()) == 8 and sys.path[-1] == str(tmp_path)
+
+
+def test_V02_eval_figures_never_load_an_environment_the_data_names(tmp_path):
+    """V02, the evaluation side: ``evaluate`` looked up the rubric's answer function by loading the
+    environment the first ground truth named (``vf_roles``), so an eval data file ran its file."""
+    from grpolab.data.datasets import Example
+    from grpolab.eval import evaluate
+    from grpolab.models import load_model_and_tokenizer
+    from grpolab.rollout import SamplingParams
+    from tests.eval.test_eval import _answer_reward, _Scripted, _Template
+
+    evil = tmp_path / "evil_env.py"
+    evil.write_text(EVIL)
+    truth = {"env": str(evil), "args": {}, "row": {"prompt": [{"role": "user", "content": "1+2"}]}}
+    _, tok = load_model_and_tokenizer("embedded:tiny", seed=0)
+    out = evaluate(_Scripted(tok, [["<answer>3</answer>"]]), [Example("1+2", truth)], _Template(), _answer_reward,
+                   SamplingParams(max_tokens=8), reward_timeout_s=60)
+    assert out.metrics["n"] == 1 and not (tmp_path / "EVIL_RAN").exists()
