@@ -80,6 +80,8 @@ def run_backend(run, generator: torch.Generator | None = None):
     vLLM server, with the config's ``vllm_*`` knobs) over its sampling model. An engine holds its own
     weights: ``run.weights.sync(backend)`` gives it the current ones; the caller closes it."""
     cfg = run.cfg
+    if run.device.type == "cuda" and run.device.index is not None and cfg.rollout_backend != "hf":
+        torch.cuda.set_device(run.device)  # the weight transfer's trainer end (NCCL) is the current GPU: the policy's
     return make_backend(cfg.rollout_backend, run.sampling_model, run.tokenizer,
                         max_batch_size=cfg.rollout_max_batch_size,
                         autocast_dtype=torch.bfloat16 if cfg.dtype == "bfloat16" else None, generator=generator,
