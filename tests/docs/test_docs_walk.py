@@ -46,8 +46,24 @@ GRPO_SMALL = ["--n-grpo-steps", "2", "--eval-examples", "4"]
 RESUME_SMALL = ["--n-grpo-steps", "3", "--eval-examples", "4"]  # one step past the shortened run: the resume trains
 EVAL_SMALL = ["--n", "10"]
 
+# CS336's commands (docs/guides/cs336.md) on the tiny CS336 layout (walk.make_data_roots): the CPU and
+# the HF sampler for the GPUs and vLLM of the configs, tiny batches and short responses.
+CS336_CPU = ["--device", "cpu", "--dtype", "float32", "--rollout-backend", "hf", "--vllm-device", "null",
+             "--eval-examples", "4", "--sampling-max-tokens", "16"]
+CS336_SMALL = {
+    "eval": ["--backend", "hf", "--n", "4", "--max-tokens", "16", "--no-entropy"],
+    "sft": CS336_CPU + ["--n-sft-steps", "2", "--train-batch-size", "2", "--gradient-accumulation-steps", "1"],
+    "ei": CS336_CPU + ["--n-ei-steps", "1", "--ei-batch-size", "2", "--group-size", "2", "--train-batch-size", "2",
+                       "--gradient-accumulation-steps", "1"],
+    "grpo": CS336_CPU + ["--n-grpo-steps", "2", "--rollout-batch-size", "4", "--group-size", "2",
+                         "--train-batch-size", "4", "--gradient-accumulation-steps", "2"],
+}
+
 # Commands run, by the start of their argv (first match wins, after NOT_RUN): the small-step overrides.
-RUN = [((".venv/bin/grpolab", "sft"), SFT_SMALL), ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
+RUN = [((".venv/bin/grpolab", "eval", "--model", "/data/a5-alignment/"), CS336_SMALL["eval"]),
+       *(((".venv/bin/grpolab", command, "--config", "configs/cs336/"), small)
+         for command, small in CS336_SMALL.items() if command != "eval"),
+       ((".venv/bin/grpolab", "sft"), SFT_SMALL), ((".venv/bin/grpolab", "grpo", "--resume"), RESUME_SMALL),
        ((".venv/bin/grpolab", "grpo"), GRPO_SMALL), ((".venv/bin/grpolab", "eval"), EVAL_SMALL),
        ((".venv/bin/grpolab", "view"), []), ((".venv/bin/grpolab", "config"), []),
        (("torchrun", "--nproc_per_node", "2", "-m", "grpolab", "grpo"), GRPO_SMALL),
@@ -90,6 +106,16 @@ NOT_RUN = [
     (("srun",), "the SLURM recipe: a cluster"),
     (("grpolab", "grpo", "--config", "my.yaml"), "the reader's own my.yaml; its flags are checked by test_flags_exist"),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "grpo", "--config", "configs/real/"), REAL_MODEL),
+    (("python3", "-m", "venv", ".venv"), "the GPU install: a fresh .venv on a CUDA machine (here .venv is the CPU "
+                                         "one make set up)"),
+    ((".venv/bin/pip", "install"), "the GPU install (vLLM for CUDA, from PyPI); the CPU's vLLM is make test-vllm's "
+                                   ".venv-vllm"),
+    (("bash", "benchmarks/gpu_check.sh"), "needs a CUDA GPU (and minutes); without one it prints one line and runs "
+                                          "nothing"),
+    (("hf", "download"), "downloads 3 GB of weights from the Hugging Face Hub (no network here); the walk runs the "
+                         "CS336 commands on a tiny model at the path it names (walk.make_data_roots)"),
+    (("PYTHONPATH=../assignment5-alignment",), "the official grader is CS336's starter code, not in this repository; "
+                                               "tests/rewards/test_rewards.py loads a pkg.mod:fn reward"),
     (("SP=",), REAL_MODEL),  # the evaluation loop of the same page
     (("for",), REAL_MODEL),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "eval"), REAL_MODEL),

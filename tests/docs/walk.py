@@ -202,6 +202,40 @@ def printed_paths(stdout: str) -> list[str]:
     return paths + re.findall(r"^wrote (\S+)$", stdout, re.M)
 
 
+# Absolute folders the pages name that the test makes in its scratch directory (``make_data_roots``):
+# CS336's data and model layout, read as these relative folders in the commands and in the copy of configs/.
+DATA_ROOTS = {"/data/a5-alignment/": "a5-alignment/"}
+MATH_PROBLEMS = [("What is 2+3?", "5"), ("What is 7-4?", "3"), ("What is 2*6?", "12"), ("What is 9-9?", "0")]
+
+
+def make_data_roots(scratch: Path) -> None:
+    """CS336's layout at tiny scale under ``scratch/a5-alignment/``: MATH/{train,validation,sft}.jsonl
+    (MATH records; sft.jsonl's prompts in the r1_zero template, verbatim, as the handout's) and
+    models/Qwen2.5-Math-1.5B, a tiny Llama with a character tokenizer and a chat template (as
+    Qwen2.5-Math's tokenizer has one)."""
+    import json
+
+    from grpolab.data import load_template
+    from tests.helpers.chat_models import chat_model_dir
+
+    root = scratch / "a5-alignment"
+    (root / "MATH").mkdir(parents=True)
+    records = [{"problem": q, "solution": f"{q[8:-1]} is \\boxed{{{a}}}.", "answer": a} for q, a in MATH_PROBLEMS]
+    for name in ("train", "validation"):
+        (root / "MATH" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    r1_zero = load_template("r1_zero")
+    sft = [{"prompt": r1_zero.format(q), "response": f" {q[8:-1]} is {a}. </think> <answer>{a}</answer>",
+            "ground_truth": a} for q, a in MATH_PROBLEMS]
+    (root / "MATH" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft), encoding="utf-8")
+    chat_model_dir(root / "models" / "Qwen2.5-Math-1.5B")
+
+
+def _in_scratch(text: str) -> str:
+    for absolute, relative in DATA_ROOTS.items():
+        text = text.replace(absolute, relative)
+    return text
+
+
 def _server_line(argv: list[str], small: list[str], page: str, scratch: Path, servers: list) -> list[str]:
     """A server's lines (``grpolab serve``): ``... &`` starts it in the background, ready once it prints
     its ``serving`` line; ``curl`` (with ``-f``: an HTTP error fails) must exit 0; ``kill %1`` sends
@@ -238,14 +272,19 @@ def _server_line(argv: list[str], small: list[str], page: str, scratch: Path, se
 def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path) -> tuple[int, list[str]]:
     """Run (argv, small-step overrides, page) in order in ``scratch`` (a copy of ``configs/`` beside
     them) -> (how many ran, the failures): exit code 0, and the printed paths exist (``grpolab
-    config``: what it prints loads as a YAML mapping)."""
+    config``: what it prints loads as a YAML mapping). The ``DATA_ROOTS`` a page or a config names
+    are read as the scratch folders ``make_data_roots`` fills."""
     shutil.copytree(ROOT / "configs", scratch / "configs")
+    for config in (scratch / "configs").rglob("*.yaml"):
+        config.write_text(_in_scratch(config.read_text(encoding="utf-8")), encoding="utf-8")
+    if any(absolute in word for argv, _, _ in commands for word in argv for absolute in DATA_ROOTS):
+        make_data_roots(scratch)
     failures, servers = [], []
     for argv, small, page in commands:
         if argv[-1] == "&" or argv == ["kill", "%1"] or argv[0] == "curl":  # a server, a request to it, its stop
             failures += _server_line(argv, small, page, scratch, servers)
             continue
-        cmd, env, extra = as_run(argv, small, scratch)
+        cmd, env, extra = as_run([_in_scratch(word) for word in argv], small, scratch)
         proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT,
                               stdin=subprocess.DEVNULL)
         printed = f"{page}: {shlex.join(argv)}   [run with {shlex.join(extra)} appended]"
