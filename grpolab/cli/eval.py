@@ -100,25 +100,24 @@ def trained_run_config(model: str) -> tuple[Path, dict] | None:
     return None
 
 
-def eval_template(opts, tokenizer) -> tuple[str, str | None]:
+def eval_template(opts, tokenizer) -> tuple[str | None, str | None]:
     """The prompt template (and system prompt) of an evaluation, said in one line on stderr with why:
     --prompt-template; else the one the model was trained with (a grpolab run's model: the template its
     config.yaml names, or the one that run chose for itself); else the task's own (task:NAME, rg:NAME);
     else r1_zero. Never chosen by whether the tokenizer has a chat template."""
     from ..data import get_task
-    from ..training.inputs import default_template_name
 
     name, system_prompt, why = opts.prompt_template, opts.system_prompt, "--prompt-template"
     run = trained_run_config(opts.model) if name is None else None
     if run is not None:
         path, config = run
         name = config.get("prompt_template")
-        if name is None:  # the run chose its own default: the same rule again, unsaid
-            task = get_task(config["task"], seed=config.get("seed", 0), options=config.get("task_options")) \
-                if config.get("task") else None
-            name = default_template_name(task, tokenizer, config.get("reward"), say=False)
+        if name is None:  # the run chose its own default: the same rules again, unsaid
+            name = _trained_default(config, tokenizer)
         system_prompt = system_prompt if system_prompt is not None else config.get("system_prompt")
         why = f"the template {opts.model} was trained with, from {path}"
+    elif name is None and opts.data.startswith("vf:"):
+        return None, system_prompt  # a verifiers environment's chat prompts, as training renders them (said there)
     elif name is None and opts.data.startswith(("task:", "rg:")):
         name = get_task(opts.data.removeprefix("task:"), seed=opts.seed, options=opts.task_options).default_template
         why = f"{opts.data}'s own; --prompt-template chooses another"
@@ -126,6 +125,23 @@ def eval_template(opts, tokenizer) -> tuple[str, str | None]:
         name, why = "r1_zero", "the default (CS336's); --prompt-template chooses another"
     typer.echo(f"grpolab eval: prompt template {name} ({why})", err=True)
     return name, system_prompt
+
+
+def _trained_default(config: dict, tokenizer) -> str:
+    """The template a run whose config names none trained with: the one its SFT pairs held
+    (``load_sft_inputs``), else its default (``default_template_name``)."""
+    from ..data import get_task, load_sft_pairs
+    from ..data.prompts import held_template
+    from ..training.inputs import default_template_name, looks_like_sft_pairs
+
+    data = config.get("train_data")
+    if data and Path(data).is_file() and looks_like_sft_pairs(data):
+        held = held_template(p.prompt for p in load_sft_pairs(data) if p.messages is None)
+        if held is not None:
+            return held
+    task = get_task(config["task"], seed=config.get("seed", 0), options=config.get("task_options")) \
+        if config.get("task") else None
+    return default_template_name(task, tokenizer, config.get("reward"), say=False)
 
 
 def _eval_plan(model, questions: int, k: int, max_tokens: int, autocast) -> str:

@@ -58,3 +58,18 @@ def test_a_runs_final_model_is_evaluated_on_the_template_it_was_trained_with(tmp
                     f"from {run / 'config.yaml'})")
     generations = [json.loads(x) for x in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()]
     assert [g["prompt"] for g in generations] == ["What is 0 + 1?", "What is 1 + 1?"]
+
+
+def test_a_model_sft_trained_on_cs336_prompts_is_evaluated_on_r1_zero(tmp_path):
+    """The run's config names no template, and its sft.jsonl prompts held r1_zero (the template the
+    run detected and trained and validated with): eval uses it, not the chat template's chat_r1."""
+    from tests.algorithms.test_sft_formatted_prompts import _cs336_files
+
+    sft, validation = _cs336_files(tmp_path)
+    run = tmp_path / "sft"
+    train_sft(SFTConfig(model=str(chat_model_dir(tmp_path / "chat")), train_data=str(sft), n_sft_steps=1,
+                        train_batch_size=2, gradient_accumulation_steps=1, warmup_steps=0, run_dir=str(run),
+                        show_progress=False, device="cpu"))
+    out = _eval(run / "final", validation, tmp_path / "eval")
+    assert out.exit_code == 0, out.output
+    assert f"grpolab eval: prompt template r1_zero (the template {run / 'final'} was trained with" in out.output
