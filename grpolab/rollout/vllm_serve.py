@@ -156,7 +156,16 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
     def update_weights(self, update_info: dict) -> None:
         # the base class then synchronises the accelerator, which fails where there is none
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM's worker ends the session on an error without finishing the layer-wise reload,
+            # which leaves the model unusable (every later generate fails): finish it here
+            try:
+                self.finish_weight_update()
+            except Exception:
+                pass
+            raise
 
     def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
         if not self.ready:

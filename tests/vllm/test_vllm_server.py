@@ -200,6 +200,8 @@ class TestAServerTheBackendStarts:
         server.close()
         time.sleep(0.5)
         assert not group_alive(pgid)  # the engine and its worker went with it
+        # S17: the weights crossed in a memfd, so a killed server leaves nothing in /dev/shm either
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"grpolab-weights-{os.getpid()}-")]
         assert log.exists()  # a dead server's log stays where the error pointed
         log.unlink()
 

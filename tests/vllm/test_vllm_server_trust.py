@@ -140,8 +140,10 @@ def test_S16_a_planted_weight_file_is_refused_even_with_the_secret(lm, served, t
         os.chmod(planted, 0o644)
         update = {"update_info": {"path": str(planted), "names": ["model.embed_tokens.weight"],
                                   "dtype_names": ["float32"], "shapes": [shape], "offsets": [0]}}
+        assert status(url + "/start_weight_update", {}, secret)[0] == 200  # the whole protocol, as a planter would
         code, text = status(url + "/update_weights", update, secret)
         assert code >= 400, text
+        status(url + "/finish_weight_update", {}, secret)  # the session ends (its outcome is vLLM's)
         probe = tmp_path / "probe"
         probe.write_text("tok")
         if os.getuid() == 0:
@@ -162,8 +164,10 @@ def test_S17_a_killed_trainer_leaves_nothing_in_dev_shm_and_the_server_takes_the
     before = shm_weight_files()
     trainer = start_trainer(url)
     try:
-        line = trainer.stdout.readline()
-        assert line.startswith("SYNCED /proc/"), line + trainer.stdout.read()
+        lines = [trainer.stdout.readline()]  # warnings may come first; the trainer sleeps once synced
+        while lines[-1] and not lines[-1].startswith(("SYNCED", "ERROR")):
+            lines.append(trainer.stdout.readline())
+        assert lines[-1].startswith("SYNCED /proc/"), "".join(lines)
         assert shm_weight_files() == before  # S15: no file with a name while it trains
     finally:
         trainer.send_signal(signal.SIGKILL)
