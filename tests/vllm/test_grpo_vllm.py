@@ -62,7 +62,8 @@ def test_eval_with_the_vllm_backend_gives_the_hf_backends_greedy_figures(tmp_pat
     for backend in ("hf", "vllm"):
         out = tmp_path / backend
         Proc(grpolab("eval", "--model", "embedded:tiny", "--data", "task:arithmetic", "--n", "8", "--k", "1",
-                     "--temperature", "0", "--max-tokens", "12", "--out", out, "--backend", backend),
+                     "--temperature", "0", "--max-tokens", "12", "--out", out, "--backend", backend,
+                     "--dtype", "float32"),  # both sides: --dtype auto gives vLLM bfloat16
              tmp_path, backend).ok()
         figures[backend] = json.loads((out / "eval.json").read_text())
         generations = [json.loads(line)["response"] for line in open(out / "generations.jsonl")]
