@@ -8,8 +8,8 @@
 #      transfer): after every sync the sampler's log-probs agree with the trainer's and moved with the
 #      weights;
 #   3. the zero-shot eval, SFT (validation through vLLM), expert iteration and GRPO with a colocated
-#      engine, then GRPO with a vllm_server; on two devices SFT and GRPO again with vllm_device cuda:1
-#      (the CS336 layout) and GRPO with the server on cuda:1. Each GRPO run's sampler/trainer gap
+#      engine, then GRPO with a vllm_server; on two devices SFT, expert iteration and GRPO again with
+#      the vllm_server on cuda:1 (vllm_device, the CS336 layout). Each GRPO run's sampler/trainer gap
 #      (health/logprob_mismatch) must stay under 0.05 nats at every step;
 #   4. rollout speed, HF backend vs vLLM, on a Qwen2-1.5B-shaped model (benchmarks/rollout.py), and the
 #      real-model step beside TRL (benchmarks/real_model.py) where trl==1.16.0 is installed.
@@ -94,12 +94,12 @@ else
   check grpo_vllm trained "$OUT/grpo_vllm" "${G[@]}" "${GRPO[@]}" --rollout-backend vllm
   check grpo_vllm_server trained "$OUT/grpo_vllm_server" "${G[@]}" "${GRPO[@]}" --rollout-backend vllm_server
   if [ "$NGPU" -ge 2 ]; then
-    check sft_vllm_cuda1 trained "$OUT/sft_vllm_cuda1" "${G[@]}" "${SFT[@]}" --rollout-backend vllm \
-      --vllm-device cuda:1 --vllm-gpu-memory-utilization 0.85
-    check grpo_vllm_cuda1 trained "$OUT/grpo_vllm_cuda1" "${G[@]}" "${GRPO[@]}" --rollout-backend vllm \
-      --vllm-device cuda:1 --vllm-gpu-memory-utilization 0.85
-    check grpo_vllm_server_cuda1 trained "$OUT/grpo_vllm_server_cuda1" "${G[@]}" "${GRPO[@]}" \
-      --rollout-backend vllm_server --vllm-device cuda:1 --vllm-gpu-memory-utilization 0.85
+    CUDA1=(--rollout-backend vllm_server --vllm-device cuda:1 --vllm-gpu-memory-utilization 0.85)
+    check sft_vllm_server_cuda1 trained "$OUT/sft_vllm_server_cuda1" "${G[@]}" "${SFT[@]}" "${CUDA1[@]}"
+    check ei_vllm_server_cuda1 trained "$OUT/ei_vllm_server_cuda1" "${G[@]}" ei "${SMALL[@]}" --n-ei-steps 2 \
+      --ei-batch-size 32 --group-size 4 --train-batch-size 16 --gradient-accumulation-steps 2 --eval-every 1 \
+      "${CUDA1[@]}"
+    check grpo_vllm_server_cuda1 trained "$OUT/grpo_vllm_server_cuda1" "${G[@]}" "${GRPO[@]}" "${CUDA1[@]}"
   else
     echo "gpu_check: one CUDA device: the two-device checks (vllm_device cuda:1) not run"
   fi
