@@ -7,9 +7,7 @@ from .datasets import (
     PreferencePair,
     SFTPair,
     gsm8k_final_answer,
-    load_examples,
     load_gsm8k,
-    load_hf_dataset,
     load_jsonl,
     load_math,
     load_preferences,
@@ -29,6 +27,7 @@ from .prompts import (
     load_template,
     render_chat,
 )
+from .sources import load_examples, load_hf_dataset
 from .tasks import TASKS, ArithmeticTask, CountdownTask, get_task, split_of
 
 __all__ = [
