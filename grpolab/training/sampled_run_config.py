@@ -51,9 +51,8 @@ class SampledRunConfig(RunConfig):
     rollout_max_batch_size: int = Field(256, ge=1)
     """Rows sampled at once, whatever group_size is: lower it when sampling runs out of memory."""
     rollout_backend: Literal["hf", "vllm", "vllm_server"] = "hf"
-    """hf: the training model samples (max_staleness >= 1: a sampler process); vllm: a vLLM engine in this process,
-    synced after each update; vllm_server: a `vllm serve` process, synced by vLLM's weight transfer (grpo; sft's
-    validation and ei's sampling, synced before each)."""
+    """hf: the training model samples (max_staleness >= 1: a sampler process); vllm: a vLLM engine in this process;
+    vllm_server: a `vllm serve` process (vLLM's weight transfer). grpo, ei, sft's validation."""
     vllm_server_url: str | None = None
     """vllm_server: the base URL of a running `vllm serve` (e.g. http://127.0.0.1:8000) started with grpolab's
     weight-transfer engine; null: the run starts one on a free local port and stops it at the end."""
@@ -61,9 +60,8 @@ class SampledRunConfig(RunConfig):
     """vllm_server: seconds to wait for the server to start and for one request; past it the run stops with one
     line (resumable from its last checkpoint)."""
     vllm_device: str | None = None
-    """Where the vLLM engine runs (cpu, cuda:N); null: the policy's device. CS336's layout, the policy on one GPU and
-    vLLM on another: device cuda:0, vllm_device cuda:1, rollout_backend vllm_server (the server grpolab starts sees
-    only that GPU; weights move by NCCL). Checked against this machine's GPUs when the run starts."""
+    """Where the vLLM server grpolab starts runs (cpu, cuda:N; null: the policy's device). CS336's two GPUs: device
+    cuda:0, vllm_device cuda:1, rollout_backend vllm_server (weights move by NCCL)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM: the share of GPU memory for its weights and KV cache."""
     vllm_max_model_len: int | None = Field(None, ge=1)
@@ -181,9 +179,8 @@ class PolicyUpdateConfig(SampledRunConfig):
     kl_coef_max: float = Field(0.3, ge=0)
     """The adaptive coefficient's upper bound."""
     kl_stop: float | None = Field(None, gt=0)
-    """KL early stop, off by default (PPO: 0.3): CS336 has no such stop; set e.g. 0.3 to pause updates when approx
-    KL(old || current) exceeds it: that optimizer batch's step and the rest of the rollout batch's are skipped, said
-    on stderr and counted as train/skipped_updates_kl_stop (as SB3's and OpenAI's PPO; GRPO: off-policy only)."""
+    """CS336 has no such stop; set e.g. 0.3 to pause updates when approx KL(old || current) exceeds it: the rest of the
+    rollout batch's steps are skipped, said and counted (train/skipped_updates). PPO: 0.3."""
     token_record_groups: int = Field(2, ge=0)
     """Sampled groups per step whose per-token figures go to tokens.jsonl for grpolab view (0: none, no cost)."""
 
