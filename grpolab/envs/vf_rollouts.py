@@ -28,7 +28,7 @@ import sys
 import uuid
 from typing import Any
 
-from ..rewards.vf_rubric import score_counting_errors
+from ..rewards.vf_reward import score_counting_errors
 from ..rollout import Rollout, SamplingParams
 from .chat_server import ChatServer
 from .chat_tools import ChatRenderer

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from ..rewards import RewardScorer
 from ..rewards.reward_model import unnormalized
-from ..rewards.vf_rubric import VfRubric, load_vf_environment, vf_source
+from ..rewards.vf_reward import VfRubric
+from ..rewards.vf_rubric import load_vf_environment, vf_source
 from ..rollout import Rollout, SamplingParams
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from .reward_model import ModelReward, RewardModel, RewardModelOptions, is_model_component
 from .tasks import arithmetic_reward_fn, countdown_reward_fn
 from .verifiers import gsm8k_reward_fn, question_only_reward_fn, r1_zero_reward_fn
+from .vf_reward import VfRubric
 
 RewardFn = Callable[[str, Any], dict[str, float]]
 
@@ -280,8 +281,6 @@ def build_reward(spec: Any) -> RewardFn:
     """A reward from config: a name/path string, a list of component dicts (weighted sum), or with
     reward models (``{model: PATH}``) a ``ModelReward`` (scored by ``RewardScorer`` with the prompts)."""
     if isinstance(spec, dict) and set(spec) == {"vf_rubric"}:  # VfRubric.worker_spec: the configured environment
-        from .vf_rubric import VfRubric
-
         return VfRubric(**spec["vf_rubric"])
     if not callable(spec):
         spec = check_reward_spec(spec)

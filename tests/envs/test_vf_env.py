@@ -27,8 +27,8 @@ from grpolab.data import TemplateError  # noqa: E402
 from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.rewards import RewardScorer  # noqa: E402
+from grpolab.rewards.vf_reward import VfRubric  # noqa: E402
 from grpolab.rewards.vf_rubric import (  # noqa: E402
-    VfRubric,
     load_vf_environment,
     require_verifiers,
     rollout_state,

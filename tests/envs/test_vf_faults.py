@@ -16,7 +16,8 @@ pytest.importorskip("verifiers", reason="verifiers is not installed (pip install
 from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.rewards import RewardScorer  # noqa: E402
 from grpolab.rewards.registry import get_reward_fn  # noqa: E402
-from grpolab.rewards.vf_rubric import VfRubric, load_vf_environment  # noqa: E402
+from grpolab.rewards.vf_reward import VfRubric  # noqa: E402
+from grpolab.rewards.vf_rubric import load_vf_environment  # noqa: E402
 from grpolab.training.config import ConfigError  # noqa: E402
 from grpolab.training.preflight import probe_environment  # noqa: E402
 from tests.helpers.chat_models import chat_model_dir  # noqa: E402

@@ -13,7 +13,7 @@ from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.envs import EnvBackend  # noqa: E402
 from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.rewards.scoring import RewardScorer  # noqa: E402
-from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
+from grpolab.rewards.vf_reward import VfRubric  # noqa: E402
 from grpolab.rollout import HFRolloutBackend, SamplingParams  # noqa: E402
 from tests.envs.test_chat_tools import COMPACT_TOOLS, taught  # noqa: E402,F401 - the taught model fixture
 

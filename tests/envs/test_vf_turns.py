@@ -21,7 +21,7 @@ from grpolab.envs.vf import build_vf_env  # noqa: E402
 from grpolab.models.fused_head import response_log_probs  # noqa: E402
 from grpolab.models.tiny import build_tiny_model  # noqa: E402
 from grpolab.rewards.scoring import RewardScorer  # noqa: E402
-from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
+from grpolab.rewards.vf_reward import VfRubric  # noqa: E402
 from grpolab.rollout import HFRolloutBackend, SamplingParams  # noqa: E402
 from grpolab.training.metric_logging import read_metrics  # noqa: E402
 from tests.envs.test_chat_tools import COMPACT_TOOLS, taught  # noqa: E402,F401 - the taught model fixture

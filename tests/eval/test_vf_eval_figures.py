@@ -13,7 +13,7 @@ from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.eval import evaluate  # noqa: E402
 from grpolab.eval.evaluation import rubric_roles  # noqa: E402
 from grpolab.models import load_model_and_tokenizer  # noqa: E402
-from grpolab.rewards.vf_rubric import VfRubric  # noqa: E402
+from grpolab.rewards.vf_reward import VfRubric  # noqa: E402
 from grpolab.rollout import SamplingParams  # noqa: E402
 from tests.eval.test_eval import _Scripted, _Template  # noqa: E402
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from ...rewards.vf_rubric import VfRubric, environment_kind, load_vf_environment, tool_functions, vf_source
+from ...rewards.vf_reward import VfRubric
+from ...rewards.vf_rubric import environment_kind, load_vf_environment, tool_functions, vf_source
 from ..datasets import Example
 from .base import SPLITS, plain, split_of
 
