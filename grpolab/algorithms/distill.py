@@ -63,10 +63,11 @@ from ..training.inputs import load_inputs
 from ..training.metric_logging import plot_reward_curves
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
-from ..training.run import ListState, Run, TrainResult, validation
+from ..training.run import ListState, Run, TrainResult
 from ..training.run_config import EnvOptions
 from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder
+from ..training.validation import validation
 
 
 class DistillConfig(PolicyUpdateConfig):

@@ -21,9 +21,10 @@ from ..training.batching import ExampleSampler, accumulate_sft_gradient
 from ..training.inputs import load_inputs
 from ..training.optimization import make_optimizer
 from ..training.resources import check_sampled_inputs
-from ..training.run import ListState, Run, TrainResult, validation
+from ..training.run import ListState, Run, TrainResult
 from ..training.run_setup import run_backend
 from ..training.sampled_run_config import SampledRunConfig
+from ..training.validation import validation
 
 
 class EIConfig(SampledRunConfig):

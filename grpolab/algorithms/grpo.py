@@ -40,11 +40,12 @@ from ..training.inputs import load_inputs
 from ..training.metric_logging import plot_reward_curves
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
-from ..training.run import ListState, Run, TrainResult, validation
+from ..training.run import ListState, Run, TrainResult
 from ..training.run_config import EnvOptions
 from ..training.run_model import frozen_copy
 from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder, empty_stats
+from ..training.validation import validation
 from .grpo_async import rollout_source
 from .grpo_metrics import StepClock, grpo_per_token, log_step, rollout_metrics
 from .grpo_update import old_and_reference_log_probs, policy_update, trained_signal

@@ -39,10 +39,11 @@ from ..training.batching import ExampleSampler, optimizer_batch_count, optimizer
 from ..training.inputs import load_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs
-from ..training.run import Run, TrainResult, validation
+from ..training.run import Run, TrainResult
 from ..training.run_model import frozen_copy
 from ..training.sampled_run_config import PolicyUpdateConfig
 from ..training.token_records import TokenRecorder, empty_stats, sampler_log_probs
+from ..training.validation import validation
 
 
 class PPOConfig(PolicyUpdateConfig):

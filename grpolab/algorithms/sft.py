@@ -31,10 +31,11 @@ from ..training.batching import ExampleSampler, accumulate_sft_gradient
 from ..training.inputs import fitting_indices, load_sft_inputs
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
 from ..training.resources import check_sampled_inputs, context_length
-from ..training.run import Run, TrainResult, validation
+from ..training.run import Run, TrainResult
 from ..training.run_config import EnvOptions
 from ..training.run_setup import run_backend
 from ..training.sampled_run_config import SampledRunConfig
+from ..training.validation import validation
 
 
 class SFTConfig(SampledRunConfig):

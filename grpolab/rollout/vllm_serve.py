@@ -85,6 +85,14 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
 from .vllm import quiet_rotary_reload_warning  # noqa: E402
+from .vllm_server_io import (  # noqa: E402
+    OPEN_ROUTES,
+    SECRET_ENV,
+    SECRET_HEADER,
+    new_secret,
+    secret_digest,
+    write_secret_file,
+)
 
 SHM_ENGINE = "grpolab_shm"
 EXTENSION = "grpolab.rollout.vllm_serve.GrpolabWorkerExtension"
@@ -221,13 +229,9 @@ class SecretMiddleware:
     (``GRPOLAB_VLLM_SERVER_SECRET``, set by ``main``)."""
 
     def __init__(self, app) -> None:
-        from .vllm_server_io import SECRET_ENV, secret_digest
-
         self.app, self.digest = app, secret_digest(os.environ[SECRET_ENV])
 
     async def __call__(self, scope, receive, send):
-        from .vllm_server_io import OPEN_ROUTES, SECRET_HEADER, secret_digest
-
         if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = dict(scope.get("headers") or []).get(SECRET_HEADER.lower().encode(), b"")
             import hmac
@@ -307,8 +311,6 @@ def main(argv: list[str] | None = None) -> None:
     """``vllm`` with ``argv`` (default: this process's arguments, ``serve MODEL ...``) through
     ``serve_argv``; without ``GRPOLAB_VLLM_SERVER_SECRET`` a secret is made and left for this
     user's trainers (``vllm_server_io.secret_file``)."""
-    from .vllm_server_io import SECRET_ENV, new_secret, write_secret_file
-
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     argv = sys.argv[1:] if argv is None else argv
     if not os.environ.get(SECRET_ENV):

@@ -13,15 +13,11 @@ The server holds its own copy of the weights. It starts from the policy's config
 only (``--load-format dummy``) and gets the weights with the first ``sync_weights``, as the
 colocated engine does, through vLLM's weight-transfer protocol: ``/init_weight_transfer_engine``
 once, then per sync ``/start_weight_update``, ``/update_weights`` (several chunks),
-``/finish_weight_update``, and ``/reset_prefix_cache`` so no KV computed with the old weights is
-reused. The bytes go by vLLM's NCCL engine on a CUDA machine (one parameter per chunk, broadcast
-while the worker receives it) and by grpolab's shared-memory engine on a CPU (``vllm_serve``
-says why that one): a file in ``/dev/shm`` the trainer fills chunk by chunk and the server's
-worker maps. Either way the stream of ``(name, tensor)`` pairs is read once, one parameter at a
-time: nothing holds more than one parameter and a chunk buffer (``CHUNK_BYTES``, or one larger
-parameter). A sync takes ~0.07 s for the embedded tiny model and ~2-3.5 s for SmolLM2-135M
-(540 MB in float32, 9 chunks) on a 2-core AMD EPYC with AVX2. (The NCCL path follows vLLM's NCCL
-engine and has not run here: these machines have no GPU.)
+``/finish_weight_update`` and ``/reset_prefix_cache``. The bytes go by vLLM's NCCL engine on a CUDA
+machine and by grpolab's shared-memory engine on a CPU (``vllm_serve``): an unnamed in-memory file
+(memfd) of the trainer's that the server's worker maps through ``/proc``, so nothing is left in
+``/dev/shm``; every route but ``/health`` needs the run's secret (``vllm_server_io``). Nothing holds
+more than one parameter and a chunk buffer (``CHUNK_BYTES``, or one larger parameter).
 
 Failures are one line, never a hang: every HTTP call has a timeout (``timeout_s``, the longest
 the server may go without answering), and while it waits the backend checks that the server
@@ -40,10 +36,7 @@ weights are in.
 
 from __future__ import annotations
 
-import math
-import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -73,33 +66,10 @@ from .vllm_server_io import (  # noqa: F401 - VLLMServerError, check_vllm_server
     new_secret,
     server_visible_devices,
 )
+from .vllm_server_parts import completion_rollout, refusal_hint, serve_command, server_root
 
-SERVED_NAME = "grpolab"
 LOG_TAIL_LINES = 6
 POLL_S = 0.2  # how often a wait checks the server process
-# set for a server grpolab starts: each of its processes dies with its parent (``vllm_serve``)
-DIE_WITH_PARENT_ENV = "GRPOLAB_VLLM_DIE_WITH_PARENT"
-
-
-def server_root(url: str) -> str:
-    """A server's root URL: no trailing slash, and an OpenAI base URL's ``/v1`` dropped (S10)."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _hint(status: int, what: str) -> str:
-    """What to do about an HTTP refusal of the server, by its status."""
-    if status == 401:
-        return (" (the server needs its secret: a server started apart with python -m grpolab.rollout.vllm_serve "
-                "serve leaves it for its own user in ~/.cache/grpolab/vllm-servers/; run the trainer as that user "
-                "or set GRPOLAB_VLLM_SERVER_SECRET)")
-    if status in (200, 404):  # a page that is not JSON, a route it does not have
-        return (" (is vllm_server_url the root of a vLLM server started with python -m grpolab.rollout.vllm_serve "
-                "serve, such as http://127.0.0.1:8000?)")
-    if "weight" in what and status >= 500:
-        return (" (does the server serve this run's model? It must be started on the policy's config and "
-                "tokenizer, and serve one trainer at a time)")
-    return ""
 
 
 class VLLMServerBackend:
@@ -186,32 +156,12 @@ class VLLMServerBackend:
         self.log_path = Path(self._log_dir) / "server.log"
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "grpolab.rollout.vllm_serve", "serve", self._dir.name,
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--load-format", "dummy", "--dtype", dtype, "--seed", str(seed),
-               "--gpu-memory-utilization", str(gpu_memory_utilization),
-               "--tensor-parallel-size", str(tensor_parallel_size),
-               "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
-               "--disable-uvicorn-access-log"]
-        if max_model_len is not None:
-            cmd += ["--max-model-len", str(max_model_len)]
-        if (not cuda) if enforce_eager is None else enforce_eager:
-            cmd += ["--enforce-eager"]
-        if enable_sleep_mode:
-            cmd += ["--enable-sleep-mode"]
-        env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        self._secret = env[SECRET_ENV] = new_secret()  # in its environment: a command line is public
-        env[DIE_WITH_PARENT_ENV] = "1"
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
-        # the server imports the grpolab this process runs
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        if device is not None:  # vllm_device: the server sees that GPU alone (none for cpu)
-            env["CUDA_VISIBLE_DEVICES"] = server_visible_devices(device)
-        if not cuda:
-            _server_threads_env(env, server_threads)
+        cmd, env = serve_command(self._dir.name, port, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+                                 enable_sleep_mode=enable_sleep_mode, device=device, cuda=cuda,
+                                 cpu_kvcache_space_gib=cpu_kvcache_space_gib, server_threads=server_threads)
+        self._secret = env[SECRET_ENV]
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True)
@@ -298,7 +248,8 @@ class VLLMServerBackend:
             except VLLMServerError as dead:
                 return dead
         if isinstance(exc, _Refused):
-            return VLLMServerError(f"the vLLM server at {self.url} refused {what}: {exc}{_hint(exc.status, what)}")
+            hint = refusal_hint(exc.status, what)
+            return VLLMServerError(f"the vLLM server at {self.url} refused {what}: {exc}{hint}")
         if isinstance(exc, (OSError, urllib.error.URLError)):
             return VLLMServerError(f"the vLLM server at {self.url} stopped answering during {what} ({exc})")
         return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
@@ -439,36 +390,10 @@ class VLLMServerBackend:
                                       "choices: not a vLLM server grpolab can sample from")
             for c in choices:
                 try:
-                    rollouts.append(self._rollout(prompts[p], ids[p], p, c, single, vocab))
+                    rollouts.append(completion_rollout(prompts[p], ids[p], p, c, single, vocab))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise VLLMServerError(f"the vLLM server at {self.url} answered a completion grpolab cannot use "
                                           f"({type(exc).__name__}: {exc}): serve with python -m "
                                           "grpolab.rollout.vllm_serve serve (it returns token ids and "
                                           "processed log-probs)") from None
         return rollouts
-
-    @staticmethod
-    def _rollout(prompt: str, prompt_ids: list[int], index: int, c: dict, single: dict[int, str],
-                 vocab: int | None = None) -> Rollout:
-        if "token_ids" not in c or not isinstance(c.get("logprobs"), dict):
-            raise KeyError("no token_ids" if "token_ids" not in c else "no logprobs")
-        response_ids = [int(t) for t in c["token_ids"]]
-        logprobs = [float(lp) for lp in c["logprobs"]["token_logprobs"]]
-        bad = [t for t in response_ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}: does the server serve "
-                             "this run's model?")
-        if len(logprobs) != len(response_ids) or not all(math.isfinite(lp) and lp <= 0 for lp in logprobs):
-            raise ValueError(f"{len(logprobs)} log-probs for {len(response_ids)} tokens, or one not a finite log-prob "
-                             f"(e.g. {next((lp for lp in logprobs if not math.isfinite(lp) or lp > 0), None)})")
-        text, stop_reason = c["text"], c.get("stop_reason")
-        if c["finish_reason"] == "length":
-            reason = "length"
-        elif isinstance(stop_reason, str) or stop_reason in single:
-            reason = "stop"
-            if stop_reason in single and not text.endswith(single[stop_reason]):
-                text += single[stop_reason]  # a special stop token is skipped in the text: keep it
-        else:
-            reason = "eos"
-        return Rollout(prompt=prompt, response=text, prompt_ids=list(prompt_ids), response_ids=response_ids,
-                       logprobs=logprobs, finish_reason=reason, prompt_index=index)
