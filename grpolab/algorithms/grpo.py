@@ -138,9 +138,8 @@ class GRPOConfig(PolicyUpdateConfig):
     """0: synchronous. k >= 1: a sampler with its own weights (hf: a sampler process; vllm_server) samples batch b
     under the weights of step b - k while the trainer trains; the loss corrects by the sampler's log-probs (tis)."""
     check_weight_sync: bool = True
-    """The sync canary: after every weight sync to a sampler with its own weights, check they are the trainer's
-    and stop with one line naming the step when not (veRL #7495): the sampler process compares per-tensor float64
-    sums (0.24 s for SmolLM2), a vLLM engine or server its log-probs of a fixed probe. False: skip it."""
+    """Sync canary: after each weight sync to a sampler with its own weights, check they are the trainer's
+    (tensor sums, or a vLLM engine's log-probs of a fixed probe); stop with one line naming the step if not."""
     sampler_threads: int = Field(1, ge=1)
     """max_staleness >= 1 with rollout_backend hf: torch threads of the sampler process (1: one core generates
     while the trainer's `threads` train)."""
