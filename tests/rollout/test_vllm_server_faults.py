@@ -1,5 +1,5 @@
 """``rollout_backend: vllm_server`` against servers that are not what it expects (reliability
-probe, turn 5, cases S02-S10, S15, S17): a real HTTP server on 127.0.0.1 answers as a broken or
+probe, turn 5, cases S02-S10, S12, S15, S17): a real HTTP server on 127.0.0.1 answers as a broken or
 foreign server would, and every mistake is one ``VLLMServerError`` line naming the server's URL
 (and the fix), never a traceback; the weight buffer has no name in ``/dev/shm``; stale weight
 files of dead trainers are removed. No vLLM is needed: the backend's side only."""
@@ -49,6 +49,8 @@ def _handler(mode: str, seen: list):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
             seen.append(("POST", self.path, body))
+            if mode == "wrongmodel" and self.path == "/update_weights":  # S12: vLLM's answer to another shape
+                return self._send(500, {"error": "Call to collective_rpc method failed: Worker failed with error ''"})
             if not self.path.startswith("/v1/completions"):
                 return self._send(200, {"success": True})
             n, k = body["n"], 3
@@ -131,6 +133,14 @@ def test_completions_grpolab_cannot_use_are_one_line_naming_the_server(lm, fake_
     every step skipped on NaN log-probs, the server never named."""
     url, _ = fake_server(mode)
     assert expected in _one_line_error(lm, url, generate=True)
+
+
+def test_S12_a_server_of_another_model_refusing_the_weights_is_one_line_saying_so(lm, fake_server):
+    """S12: a server started for another model answers the weight update with vLLM's bare 500
+    ("Worker failed with error ''"); it was a RuntimeError traceback naming neither the cause nor the
+    fix. Now one line naming the server, the refused update and what to check."""
+    message = _one_line_error(lm, fake_server("wrongmodel")[0])
+    assert "refused update_weights: HTTP 500" in message and "does the server serve this run's model" in message
 
 
 def test_a_url_ending_in_v1_is_the_servers_root(lm, fake_server):
