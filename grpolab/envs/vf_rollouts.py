@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import json
+import secrets
 import sys
 import uuid
 from typing import Any
@@ -74,7 +75,8 @@ class VerifiersDriver:
     def _server(self, backend) -> ChatServer:
         if id(backend) not in self._servers:
             server = ChatServer(backend, self.tokenizer, chat_template=self.chat_template,
-                                max_tokens=self.max_total_tokens, batch_wait_s=self.batch_wait_s)
+                                max_tokens=self.max_total_tokens, batch_wait_s=self.batch_wait_s,
+                                api_key=secrets.token_urlsafe(24))  # C02: only this run's client holds the key
             self._servers[id(backend)] = server.__enter__()
         return self._servers[id(backend)]
 
@@ -114,7 +116,7 @@ class VerifiersDriver:
         from openai import AsyncOpenAI
         from verifiers.legacy.clients import OpenAIChatCompletionsClient
 
-        client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=server.url, api_key="grpolab", max_retries=0))
+        client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0))
 
         async def one(row, key, seed):
             sampling_args = dict(args, **({"seed": seed} if seed is not None else {}))

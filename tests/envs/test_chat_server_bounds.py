@@ -225,3 +225,23 @@ def test_c13_c11_a_multi_turn_rollout_past_the_context_fails_with_its_cause_name
     lines = [line for line in capsys.readouterr().err.splitlines() if "rollout failed" in line]
     assert len(lines) == 3 and all("ModelError <- BadRequestError" in line and "context of 40 tokens" in line
                                    for line in lines), lines
+
+
+def test_c02_a_runs_endpoint_serves_only_the_runs_own_client(tiny):
+    """C02 in a run: the endpoint a multi-turn verifiers run starts had no key, so any local process that
+    found its port drove the training policy. Now a per-run key only the driver's client holds: a request
+    without it is a 401, the run's own rollouts are served (test_vf_turns runs them)."""
+    pytest.importorskip("verifiers", reason="verifiers is not installed (pip install -e '.[envs]')")
+    from grpolab.envs.vf import build_vf_env
+    from tests.envs.test_vf_turns import GAME
+
+    model, tok = tiny
+    driver = build_vf_env(GAME, {}, tokenizer=tok, max_total_tokens=80)
+    try:
+        server = driver._server(HFRolloutBackend(model, tok))
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert post(server.url + "/chat/completions", body)[0] == 401
+        assert post(server.url + "/chat/completions", body, {"Authorization": "Bearer grpolab"})[0] == 401
+        assert post(server.url + "/chat/completions", body, {"Authorization": f"Bearer {server.api_key}"})[0] == 200
+    finally:
+        driver.close()
