@@ -22,6 +22,7 @@ from ..rewards import RewardScorer
 from ..rewards.reward_model import unnormalized
 from ..rewards.vf_reward import VfRubric
 from ..rewards.vf_rubric import load_vf_environment, vf_source
+from ..rewards.vf_v1 import V1Taskset
 from ..rollout import Rollout, SamplingParams
 
 
@@ -66,6 +67,8 @@ def rubric_roles(spec: str, args: dict | None = None) -> tuple[str | None, str |
     format or style checks less, and has no accuracy of its own. The format function is the one a
     parser's ``get_format_reward_func()`` builds (same qualified name), None when the rubric has none."""
     env = load_vf_environment(vf_source(spec), args or {})
+    if isinstance(env, V1Taskset):  # verifiers 0.4's API: the task's rewards, no parser
+        return env.roles()
     rubric = env.rubric
     parsers = [getattr(r, "parser", None) for r in [env, rubric, *getattr(rubric, "rubrics", [])]]
     formats = set()

@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from .vf_rubric import GROUND_TRUTH_KEYS, _first_line, _what, load_vf_environment, rollout_state, vf_source
+from .vf_v1 import V1Taskset
 
 _RUBRIC_ERRORS: contextvars.ContextVar[list | None] = contextvars.ContextVar("grpolab_rubric_errors", default=None)
 
@@ -155,8 +156,10 @@ class VfRubric:
                 raise ValueError(scores)
             return self._checked(scores)
         scores = _live_score(response)
-        if scores is None:
-            env = load_vf_environment(spec, self.args)
+        env = load_vf_environment(spec, self.args) if scores is None else None
+        if isinstance(env, V1Taskset):  # verifiers 0.4's API: the task's rewards over a trace
+            scores = env.score(row, _completion(response))
+        elif scores is None:
             completion = _completion(response)
             try:
                 state = rollout_state(env, row, completion)

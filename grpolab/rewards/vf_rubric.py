@@ -11,7 +11,9 @@ when it scores its first response, within that response's timeout: an environmen
 ``load_environment`` takes longer than ``reward_timeout_s`` (a dataset to download) needs a longer one.
 
 Only the classic API of verifiers 0.3.x is used (``pip install -e '.[envs]'``): ``load_environment``,
-``Environment``, ``Rubric.score_rollout``, ``State`` and its message helpers.
+``Environment``, ``Rubric.score_rollout``, ``State`` and its message helpers. A module with no
+``load_environment`` that exports a ``verifiers.v1`` taskset (verifiers 0.4's API) loads as a
+``vf_v1.V1Taskset`` instead (single-turn).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .supervisor import RewardWorker
+from .vf_v1 import V1Taskset, exports_v1_taskset
 
 EXTRA_HINT = "pip install -e '.[envs]' (or: pip install 'verifiers>=0.3.1,<0.3.2')"
 GROUND_TRUTH_KEYS = ("env", "args", "row")
@@ -101,8 +104,11 @@ def load_vf_environment(spec: str, args: dict | None = None):
 
 @lru_cache(maxsize=16)
 def _load_cached(spec: str, args_json: str):
-    vf = require_verifiers()
     args = json.loads(args_json)
+    v1_module = _v1_module(spec)
+    if v1_module is not None:  # verifiers' current API (0.4): a taskset, no load_environment (vf_v1.py)
+        return V1Taskset(spec, v1_module, args)
+    vf = require_verifiers()
     with signal_handlers_kept():
         if spec.endswith(".py"):
             load = _file_loader(spec)
@@ -124,8 +130,33 @@ def _load_cached(spec: str, args_json: str):
     return env
 
 
+def _v1_module(spec: str):
+    """The module ``spec`` names when it defines no ``load_environment`` but exports a
+    ``verifiers.v1`` taskset (``vf_v1.exports_v1_taskset``), else None (the classic path)."""
+    if spec.endswith(".py"):
+        module = _file_module(spec)
+    elif _find_module_cwd_last(spec):
+        try:
+            module = importlib.import_module(spec)
+        except (Exception, SystemExit):  # noqa: BLE001 - the classic path says it in one line
+            return None
+    else:
+        return None
+    return None if callable(getattr(module, "load_environment", None)) or not exports_v1_taskset(module) else module
+
+
 def _file_loader(spec: str):
     """``load_environment`` of the file ``spec``, imported as a module of its own."""
+    path = Path(spec).expanduser()
+    load = getattr(_file_module(spec), "load_environment", None)
+    if not callable(load):
+        raise ValueError(f"{_what(spec)}: {path} defines no load_environment function (nor exports a verifiers.v1 "
+                         "Taskset subclass via __all__)")
+    return load
+
+
+def _file_module(spec: str):
+    """The file ``spec``, imported as a module of its own (once)."""
     path = Path(spec).expanduser()
     if not path.is_file():
         raise ValueError(f"{_what(spec)} not found: no such file")
@@ -141,10 +172,7 @@ def _file_loader(spec: str):
             del sys.modules[name]
             raise ValueError(f"{_what(spec)}: importing {path} raised {type(exc).__name__}: "
                              f"{_first_line(exc)}") from None
-    load = getattr(module, "load_environment", None)
-    if not callable(load):
-        raise ValueError(f"{_what(spec)}: {path} defines no load_environment function")
-    return load
+    return module
 
 
 def _check_importable(vf, spec: str) -> None:
@@ -208,7 +236,9 @@ def _has_reward_functions(rubric) -> bool:
 
 def environment_kind(env: Any) -> str:
     """``single_turn`` (``SingleTurnEnv``), ``tool`` (``ToolEnv`` and its subclasses) or ``multi_turn``
-    (any other environment)."""
+    (any other environment); a verifiers.v1 taskset is single-turn (``vf_v1``)."""
+    if isinstance(env, V1Taskset):
+        return "single_turn"
     vf = require_verifiers()
     if isinstance(env, vf.SingleTurnEnv):
         return "single_turn"

@@ -162,7 +162,8 @@ def test_a_file_that_fails_to_import_or_has_no_load_environment_is_one_line(tmp_
     (tmp_path / "empty.py").write_text("X = 1\n")
     with pytest.raises(ValueError, match=r"bad.py raised ModuleNotFoundError: No module named 'no_such_package_fo"):
         load_vf_environment(str(tmp_path / "bad.py"))
-    with pytest.raises(ValueError, match=r"empty.py defines no load_environment function$"):
+    with pytest.raises(ValueError, match=r"empty.py defines no load_environment function \(nor exports a "
+                                         r"verifiers.v1 Taskset subclass via __all__\)$"):
         VerifiersTask(str(tmp_path / "empty.py"))
 
 

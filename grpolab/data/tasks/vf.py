@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ...rewards.vf_reward import VfRubric
 from ...rewards.vf_rubric import environment_kind, load_vf_environment, tool_functions, vf_source
+from ...rewards.vf_v1 import V1Taskset
 from ..datasets import Example
 from .base import SPLITS, plain, split_of
 
@@ -38,7 +39,9 @@ class VerifiersTask:
         self.name = f"vf:{spec}"
         self.environment = load_vf_environment(self.source, self.args)
         # the rubric bound to this environment (data never chooses one), scoring a group at a time if it asks to
-        self.reward_fn = VfRubric(self.source, self.args, scores_groups=self.environment.rubric.has_group_rewards)
+        groups = self.environment.has_group_rewards if isinstance(self.environment, V1Taskset) else (
+            self.environment.rubric.has_group_rewards)
+        self.reward_fn = VfRubric(self.source, self.args, scores_groups=groups)
         self.kind = environment_kind(self.environment)
         self._rows: dict[str, list[tuple[int, dict]]] = {}
 
