@@ -203,7 +203,8 @@ def rollout_source(run: Run, cfg: GRPOConfig, inputs, scorer, sampler, sampling,
         else (lambda b: b)  # multi-turn
     if cfg.max_staleness:  # a sampler with its own weights runs ahead (training/async_rollouts.py)
         scorer = LockedScorer(scorer)
-        own, stager, reseed = sampler_backend(cfg, run.sampling_model, tokenizer, make, generator)
+        # the sync canary on a vLLM server: the trainer's probe log-probs staged with each version's weights
+        own, stager, reseed = sampler_backend(cfg, run.sampling_model, tokenizer, make, generator, run.weights.probe)
         # validation as the synchronous loop's (C5-4): the environment and the run's autocast, on the trainer's
         # weights; the producer's thread and validation share the environment, one generate at a time
         current = make_backend("hf", run.sampling_model, tokenizer, max_batch_size=cfg.rollout_max_batch_size,

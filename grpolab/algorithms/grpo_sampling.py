@@ -23,6 +23,7 @@ from ..envs import apply_call_cost
 from ..rollout import Rollout
 from ..rollout.process import ProcessRolloutBackend
 from ..training import distributed
+from ..training.run_model import check_probe
 
 
 @dataclass
@@ -151,22 +152,30 @@ class LockedScorer:
 
 class StagedWeights:
     """``stage``/``load_staged`` for a backend that only has ``sync_weights`` (a vLLM server): staged
-    weights are held as a CPU copy until the producer loads them between two batches."""
+    weights are held as a CPU copy until the producer loads them between two batches. With ``probe``
+    (the trainer's ``RunModel.probe``) the sync canary runs: the trainer's probe log-probs are taken
+    when a version is staged (its weights), and the backend's, after the producer loaded it, must match."""
 
-    def __init__(self, backend):
-        self.backend, self._weights = backend, None
+    def __init__(self, backend, probe=None):
+        self.backend, self._weights, self._expected = backend, None, None
+        self.probe = probe if hasattr(backend, "probe_log_probs") else None
 
     def stage(self, weights) -> None:
+        self._expected = self.probe() if self.probe is not None else None  # the weights being staged
         self._weights = {name: value.detach().to("cpu", copy=True) for name, value in weights}
 
     def load_staged(self) -> None:
         weights, self._weights = self._weights, None
         self.backend.sync_weights(getattr(self.backend, "model", None), weights=iter(weights.items()))
+        if self._expected is not None:  # the producer's thread: the error names the step (AsyncRollouts)
+            (ids, mine), self._expected = self._expected, None
+            check_probe(mine, self.backend.probe_log_probs(ids), self.backend.weights_dtype)
 
 
-def sampler_backend(cfg, model, tokenizer, make, generator):
+def sampler_backend(cfg, model, tokenizer, make, generator, probe=None):
     """The backend an asynchronous run samples with (its own weights), the object that stages and
-    loads its weights, and ``reseed(b)`` (each batch's draws seeded from the run's seed and b, so a
+    loads its weights (``probe``: the trainer's sync-canary probe, for an engine that cannot hand its
+    weights back), and ``reseed(b)`` (each batch's draws seeded from the run's seed and b, so a
     resumed run draws what the uninterrupted one drew)."""
     seed_of = lambda b: (cfg.seed * 1_000_003 + b) % 2**63  # noqa: E731
     if cfg.rollout_backend == "hf":
@@ -176,4 +185,5 @@ def sampler_backend(cfg, model, tokenizer, make, generator):
                                         seed=cfg.seed, check_sync=cfg.check_weight_sync)
         return backend, backend, lambda b: backend.reseed(seed_of(b))
     backend = make()
-    return backend, StagedWeights(backend), lambda b: generator.manual_seed(seed_of(b))
+    stager = StagedWeights(backend, probe if cfg.check_weight_sync else None)
+    return backend, stager, lambda b: generator.manual_seed(seed_of(b))

@@ -124,6 +124,12 @@ class RunModel:
         probe = getattr(backend, "probe_log_probs", None)
         if probe is None or not getattr(self.cfg, "check_weight_sync", True):
             return
+        ids, mine = self.probe()
+        check_probe(mine, probe(ids), backend.weights_dtype, f"step {step}" if step is not None else "a weight sync")
+
+    def probe(self) -> tuple[list[int], torch.Tensor]:
+        """The canary's probe ids and this model's float32 log-probs of ``ids[1:]`` after their
+        prefixes (eval mode, no gradients): what an engine holding the same weights must give back."""
         ids = probe_ids(self._peft().get_input_embeddings().num_embeddings)
         was_training = self.model.training
         self.model.eval()
@@ -133,14 +139,7 @@ class RunModel:
         finally:
             self.model.train(was_training)
         mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:], device=logits.device)[:, None])[:, 0]
-        gap = float((mine.cpu() - torch.tensor(probe(ids))).abs().mean())
-        tol = probe_tolerance(backend.weights_dtype)
-        if not gap <= tol:  # NaN included
-            where = f"step {step}" if step is not None else "a weight sync"
-            raise WeightSyncError(f"{where}: sync canary: the rollout engine's log-probs of a probe sequence differ "
-                                  f"from the trainer's by {gap:.3g} nats/token (tolerance {tol:.3g} for "
-                                  f"{str(backend.weights_dtype).removeprefix('torch.')} weights): the weights did "
-                                  "not arrive")
+        return ids, mine.cpu()
 
     def full_weights(self):
         """The sampler's weights as a stream of (ordinary name, tensor) — full, and with LoRA merged —
@@ -225,6 +224,17 @@ class RunModel:
                 extra(tmp)
 
         return atomic_directory(target, write) if self.dist.is_main else target
+
+
+def check_probe(mine, theirs, dtype, where: str | None = None) -> None:
+    """The sync canary's verdict: the trainer's probe log-probs ``mine`` against an engine's ``theirs``,
+    mean |difference| within ``probe_tolerance(dtype)``, else ``WeightSyncError`` (led by ``where``)."""
+    gap = float((torch.as_tensor(mine).cpu() - torch.tensor(theirs)).abs().mean())
+    tol = probe_tolerance(dtype)
+    if not gap <= tol:  # NaN included
+        raise WeightSyncError(f"{where + ': ' if where else ''}sync canary: the rollout engine's log-probs of a probe "
+                              f"sequence differ from the trainer's by {gap:.3g} nats/token (tolerance {tol:.3g} for "
+                              f"{str(dtype).removeprefix('torch.')} weights): the weights did not arrive")
 
 
 def _storage(t) -> int:

@@ -57,6 +57,26 @@ def test_a_vllm_server_run_passes_full_syncs_and_stops_when_the_sender_drops_a_t
                                reward=DIGIT, run_dir=str(tmp_path / "server")))
 
 
+def test_an_async_vllm_server_run_checks_each_loaded_version_and_stops_when_the_sender_drops_a_tensor(
+        grpo_config, monkeypatch, tmp_path):
+    """max_staleness 1: the producer loads version 1 into the server between two batches; the trainer's
+    probe log-probs staged with it must be the server's after the load (3 steps: version 2 has no batch)."""
+    from grpolab.algorithms import grpo_sampling
+    from grpolab.algorithms.grpo import train_grpo
+
+    checked, check = [], grpo_sampling.check_probe
+    monkeypatch.setattr(grpo_sampling, "check_probe", lambda *a: (checked.append(a[2]), check(*a)))
+    cfg = dict(n_grpo_steps=3, max_staleness=1, rollout_backend="vllm_server", eval_examples=2, sampling_min_tokens=0,
+               reward="tests.helpers.reward_fixtures:length_parity", skip_zero_advantage=False)
+    train_grpo(grpo_config(**cfg, run_dir=str(tmp_path / "full")))
+    assert checked == [torch.float32]  # version 1 loaded, checked through the server's prompt log-probs, passed
+    full = RunModel.full_weights
+    monkeypatch.setattr(RunModel, "full_weights", lambda self: ((k, v) for k, v in full(self) if k != DROPPED))
+    with pytest.raises(WeightSyncError, match=r"^step 0 \(policy version 1\): sync canary: the rollout engine's "
+                                              r"log-probs .* float32"):
+        train_grpo(grpo_config(**cfg, learning_rate=1e-2, run_dir=str(tmp_path / "dropped")))
+
+
 def test_the_tolerance_follows_the_engines_dtype():
     assert probe_tolerance(torch.float32) == 1e-3
     assert probe_tolerance(torch.bfloat16) == pytest.approx(0.0625)
