@@ -60,8 +60,8 @@ class SampledRunConfig(RunConfig):
     """vllm_server: seconds to wait for the server to start and for one request; past it the run stops with one
     line (resumable from its last checkpoint)."""
     vllm_device: str | None = None
-    """Where the vLLM server started by grpolab runs (cpu, cuda:N; null: the policy's device). CS336's two GPUs: device
-    cuda:0, vllm_device cuda:1, rollout_backend vllm_server (weights move by NCCL)."""
+    """The device of the vLLM server the run starts itself (cpu, cuda:N; null: the policy's device). CS336's two
+    GPUs: device cuda:0, vllm_device cuda:1, rollout_backend vllm_server (weights move by NCCL)."""
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM: the share of GPU memory for its weights and KV cache."""
     vllm_max_model_len: int | None = Field(None, ge=1)

@@ -179,7 +179,7 @@ def test_an_empty_dataset_name_and_eval_with_a_wrong_option_are_one_line(tmp_pat
 
 def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
-    with pytest.raises(ValueError, match=r"grpolab\[gym\]") as err:
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[gym\]'") as err:
         get_task("rg:basic_arithmetic")
     assert "\n" not in str(err.value)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install 'grpolab[envs]')")
+pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install -e '.[envs]')")
 
 from grpolab.data.tasks.vf import VerifiersTask  # noqa: E402
 from grpolab.eval import evaluate  # noqa: E402
