@@ -1,4 +1,5 @@
-"""Processes end as the user expects (reliability probe, turn 5: A09, A10, A11, V08): Ctrl-C on an
+"""Processes end as the user expects (reliability probe, turn 5: A09, A10, A11, V08; in the scale tier: whole
+process groups of trainer, sampler and reward workers). Ctrl-C on an
 asynchronous run (a sampler process) with its reward in a worker process writes the checkpoint
 and exits 130 with one line, neither child dying of the terminal's signal; SIGTERM (``timeout``,
 a scheduler, ``docker stop``) writes a checkpoint like Ctrl-C and exits 143. The signal goes to
