@@ -98,13 +98,7 @@ def _check_messages(messages: Any) -> list[dict]:
                         not isinstance(fn.get("arguments", {}), (str, dict)):
                     raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{type: function, function: "
                                      "{name, arguments}}")
-                args = fn.get("arguments", {})
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except (json.JSONDecodeError, RecursionError, ValueError):
-                        pass
-                fixed.append({**call, "function": {**fn, "arguments": args}})
+                fixed.append({**call, "function": {**fn, "arguments": _arguments(fn)}})
             msg["tool_calls"] = fixed
         out.append(msg)
     return out
@@ -123,18 +117,23 @@ def _check_tools(tools: Any) -> list[dict] | None:
     return tools
 
 
+def _arguments(fn: dict) -> Any:
+    """A call's arguments parsed when they are JSON text, else as given (a client may send either)."""
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            pass
+    return args
+
+
 def _norm(message: dict) -> str:
     """A message as compared across requests: role, text and calls (arguments parsed), nothing else."""
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call)
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError, ValueError):
-                pass
-        calls.append([fn.get("name"), args])
+        calls.append([fn.get("name"), _arguments(fn)])
     return json.dumps([message.get("role"), message.get("content") or "", calls], sort_keys=True)
 
 

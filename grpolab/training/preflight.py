@@ -56,6 +56,22 @@ def import_timeout_s() -> float:
         return DEFAULT_TIMEOUT_S
 
 
+def _run_child(code: str, args: list[str], timeout_s: float) -> str | None:
+    """``code`` in a fresh isolated interpreter (its own session) with the run's import path and
+    ``args``: None if it did not end within ``timeout_s``; "" if it printed ``_OK`` or ended on an
+    ordinary exception (the in-process load reports that one); else how the process ended."""
+    cmd = [sys.executable, "-I", "-c", code, json.dumps(child_sys_path(cwd_last=True)), *args]
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                              errors="replace", start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.stdout.rstrip().endswith(_OK) or (done.returncode == 1 and "Traceback (most recent call last)"
+                                               in done.stderr):
+        return ""
+    return describe_exit(done.returncode)
+
+
 def probe_import(spec: str, what: str, timeout_s: float | None = None) -> None:
     """Import ``spec``'s module (``"pkg.mod:fn"``) in a supervised child; raise a one-line
     ``ConfigError`` naming ``what`` and the module if it blocks past ``timeout_s`` or ends the
@@ -64,19 +80,14 @@ def probe_import(spec: str, what: str, timeout_s: float | None = None) -> None:
     if not module:
         return
     timeout_s = import_timeout_s() if timeout_s is None else timeout_s
-    cmd = [sys.executable, "-I", "-c", _CHILD, json.dumps(child_sys_path(cwd_last=True)), module]
-    try:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                              errors="replace")
-    except subprocess.TimeoutExpired:
+    ended = _run_child(_CHILD, [module], timeout_s)
+    if ended is None:
         raise ConfigError(f"{what} {spec!r}: importing module {module!r} did not finish within {timeout_s:g} s "
-                          "(does it block or wait for input at import?)") from None
-    if done.stdout.rstrip().endswith(_OK):
-        return
-    if done.returncode == 1 and "Traceback (most recent call last)" in done.stderr:
-        return  # an exception at import: import_callable says which, in its usual words
+                          "(does it block or wait for input at import?)")
+    if not ended:
+        return  # finished, or an exception at import: import_callable says which, in its usual words
     raise ConfigError(
-        f"{what} {spec!r}: importing module {module!r} ended the process ({describe_exit(done.returncode)}) "
+        f"{what} {spec!r}: importing module {module!r} ended the process ({ended}) "
         "before it finished; a module must not exit or crash at import"
     )
 
@@ -127,18 +138,13 @@ def probe_environment(spec: str, args: dict | None, timeout_s: float = DEFAULT_E
         args_json = json.dumps(dict(args or {}))
     except (TypeError, ValueError):
         return  # not plain data: the trainer's load refuses it in one line
-    cmd = [sys.executable, "-I", "-c", _ENV_CHILD, json.dumps(child_sys_path(cwd_last=True)), source, args_json]
-    try:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                              errors="replace", start_new_session=True)
-    except subprocess.TimeoutExpired:
+    ended = _run_child(_ENV_CHILD, [source, args_json], timeout_s)
+    if ended is None:
         raise ConfigError(f"{what}: load_environment did not return within {timeout_s:g} s (env.load_timeout_s); "
-                          "does it block or wait for input? raise env.load_timeout_s for a slow dataset") from None
-    if done.stdout.rstrip().endswith(_OK):
-        return
-    if done.returncode == 1 and "Traceback (most recent call last)" in done.stderr:
-        return  # an exception outside load_environment's own guard: the trainer's load reports it
-    raise ConfigError(f"{what}: load_environment ended the process ({describe_exit(done.returncode)}) before it "
+                          "does it block or wait for input? raise env.load_timeout_s for a slow dataset")
+    if not ended:
+        return  # returned, or an exception outside load_environment's own guard: the trainer's load reports it
+    raise ConfigError(f"{what}: load_environment ended the process ({ended}) before it "
                       "returned; an environment must return, not exit or crash")
 
 
