@@ -4,6 +4,7 @@ the tiny model and on SmolLM2; a killed server is one line, never a hang; a serv
 ``python -m grpolab.rollout.vllm_serve`` is reached by URL and outlives the backend; a GRPO run
 samples through it. One server per class (a start takes ~30-70 s on 2 cores)."""
 
+import contextlib
 import copy
 import json
 import os
@@ -217,43 +218,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def hand_started_server(lm, folder, drop_env: tuple[str, ...] = ()):
+    """``python -m grpolab.rollout.vllm_serve serve FOLDER`` on the tiny model's config (dummy
+    weights), started as a user would and waited for: yields (url, process, port); killed after."""
+    model, tok = lm
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CPU_OMP_THREADS_BIND=str(max(os.sched_getaffinity(0))))
+    for name in drop_env:
+        env.pop(name, None)
+    with open(folder / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "grpolab.rollout.vllm_serve", "serve", str(folder), "--host", "127.0.0.1",
+             "--port", str(port), "--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
+             "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--seed", "0"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:  # a hang guard, not a property: a server that never answers
+                    pytest.fail(f"the server did not answer in {START_S} s: "
+                                + (folder / "server.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield url, proc, port
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class TestAServerReachedByURL:
     @pytest.fixture(scope="class")
     @classmethod
     def external(cls, lm, tmp_path_factory):
         """``python -m grpolab.rollout.vllm_serve serve DIR`` on the tiny model's config (dummy
         weights), as a user would start it: (url, process)."""
-        model, tok = lm
-        served = tmp_path_factory.mktemp("served")
-        model.config.save_pretrained(served)
-        model.generation_config.save_pretrained(served)
-        tok.save_pretrained(served)
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_CPU_OMP_THREADS_BIND=str(max(os.sched_getaffinity(0))))
-        with open(served / "server.log", "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "grpolab.rollout.vllm_serve", "serve", str(served), "--host", "127.0.0.1",
-                 "--port", str(port), "--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
-                 "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--seed", "0"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        try:
-            deadline = time.monotonic() + START_S
-            while True:
-                assert proc.poll() is None, (served / "server.log").read_text()[-3000:]
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:  # a hang guard, not a property: a server that never answers
-                        pytest.fail(f"the server did not answer in {START_S} s: "
-                                    + (served / "server.log").read_text()[-3000:])
-                    time.sleep(0.5)
+        with hand_started_server(lm, tmp_path_factory.mktemp("served")) as (url, proc, _):
             yield url, proc
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
     def test_a_backend_connects_samples_syncs_and_leaves_the_server_running(self, lm, external):
         model, tok = lm

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 
@@ -19,7 +18,7 @@ import pytest
 from grpolab.models import load_model_and_tokenizer
 from grpolab.rollout import SamplingParams, make_backend
 from grpolab.rollout.vllm_server_io import SECRET_HEADER, secret_file
-from tests.vllm.test_vllm_server import LOGPROB_TOL, PROMPTS, START_S, _free_port, largest_gap, perturbed
+from tests.vllm.test_vllm_server import LOGPROB_TOL, PROMPTS, hand_started_server, largest_gap, perturbed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,42 +32,16 @@ def lm():
 def served(lm, tmp_path_factory):
     """A server started apart, as a user would (no secret given: it makes one and leaves it in
     ``$XDG_CACHE_HOME/grpolab/vllm-servers/``): (url, process, its secret)."""
-    model, tok = lm
-    folder = tmp_path_factory.mktemp("served")
     cache = tmp_path_factory.mktemp("cache")
-    model.config.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     saved = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(cache)  # this process's trainers (and their children) look there
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_CPU_OMP_THREADS_BIND=str(max(os.sched_getaffinity(0))))
-    env.pop("GRPOLAB_VLLM_SERVER_SECRET", None)
-    with open(folder / "server.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpolab.rollout.vllm_serve", "serve", str(folder), "--host", "127.0.0.1",
-             "--port", str(port), "--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
-             "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--seed", "0"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:  # a hang guard: a server that never answers
-                    pytest.fail(f"no answer in {START_S} s: " + (folder / "server.log").read_text()[-3000:])
-                time.sleep(0.5)
-        path = secret_file(port)
-        assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
-        yield url, proc, path.read_text().strip()
+        with hand_started_server(lm, tmp_path_factory.mktemp("served"), ("GRPOLAB_VLLM_SERVER_SECRET",)) as (
+                url, proc, port):
+            path = secret_file(port)
+            assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+            yield url, proc, path.read_text().strip()
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         if saved is None:
             os.environ.pop("XDG_CACHE_HOME", None)
         else:
