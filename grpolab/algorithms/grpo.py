@@ -39,6 +39,7 @@ from ..training.health import PROBLEMS, HealthMonitor
 from ..training.inputs import load_inputs
 from ..training.metric_logging import plot_reward_curves
 from ..training.optimization import effective_warmup, make_optimizer, make_scheduler
+from ..training.packing import PackingMode
 from ..training.resources import check_sampled_inputs
 from ..training.run import ListState, Run, TrainResult
 from ..training.run_config import EnvOptions
@@ -156,6 +157,9 @@ class GRPOConfig(PolicyUpdateConfig):
     share_prompt_prefix: bool = True
     """Run each prompt once per micro-batch for its whole group where the model allows (same gradient, fewer
     tokens)."""
+    packing: PackingMode = "auto"
+    """Padding-free micro-batches where prompts are not shared: rows as one sequence, per-row positions, no attention
+    across rows (same log-probs). auto: with flash attention only (sdpa on CPU measured slower); false: padded."""
     # --- Health checks
     run_dir: str = "runs/grpo"
     health_window: int = Field(5, ge=1)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core import grpo_microbatch_train_step, importance_sampling_weights, kl_k3
-from ..models.fused_head import response_log_probs
 from ..models.shared_prefix import (
     label_to_response_layout,
     prompt_key,
@@ -34,6 +33,7 @@ from ..training.batching import (
     plan_microbatches,
     take_rows,
 )
+from ..training.packing import micro_batch_log_probs, use_packing
 from ..training.run import Run
 
 if TYPE_CHECKING:
@@ -41,15 +41,16 @@ if TYPE_CHECKING:
 
 
 def microbatch_log_probs(model, tensors, batch: RolloutBatch, live: list[int], shared: bool, device, autocast,
-                         temperature: float):
+                         temperature: float, packed: bool = False):
     """(micro-batch tensors, log-probs, entropy, a function taking a micro-batch per-token tensor to the
     rollout batch's label layout (on the CPU)) of rows ``live``. With ``shared``, each distinct prompt
-    is run once for all its responses (``models.shared_prefix``)."""
+    is run once for all its responses (``models.shared_prefix``); else with ``packed`` the rows go
+    through the model as one padding-free sequence (``training.packing``)."""
     if not shared:
         mb = take_rows(tensors, live, device)
         with autocast():
-            out = response_log_probs(model, mb["input_ids"], mb["labels"], return_token_entropy=True,
-                                     temperature=temperature, positions=mb["response_mask"].bool())
+            out = micro_batch_log_probs(model, mb["input_ids"], mb["labels"], mb["response_mask"].bool(), packed,
+                                        return_token_entropy=True, temperature=temperature)
         return mb, out["log_probs"].float(), out["token_entropy"], lambda values: values.detach().cpu()
     with autocast():
         out = shared_prefix_rows(model, batch.sequences, live, batch.pad_id, device, temperature=temperature,
@@ -137,6 +138,7 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
     sums = {"loss": 0.0, "entropy": 0.0, "clip": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0, "forward_tokens": 0.0}
     # sharded engines need one forward per micro-batch on every rank: no two-pass prompt sharing there
     shared = cfg.share_prompt_prefix and supports_shared_prefix(model) and not distributed.current().sharded
+    packed = not shared and use_packing(model, cfg.packing, distributed.current().sharded)
     normalize_constant = cfg.normalize_constant or float(cfg.sampling_max_tokens)
     live_plans = [live for live in ([rows[i] for i in plan if contributes[rows[i]]] for plan in plans) if live]
     if cfg.micro_batch_token_budget is None and len(live_plans) > 1:
@@ -144,7 +146,7 @@ def accumulate_policy_gradient(model, batch: RolloutBatch, rows: list[int], cfg,
     padding = distributed.padding_micro_batches(len(live_plans))
     for live in live_plans:
         mb, log_probs, entropy, to_label_layout = microbatch_log_probs(model, tensors, batch, live, shared, device,
-                                                                       autocast, cfg.policy_temperature)
+                                                                       autocast, cfg.policy_temperature, packed)
         label_lp = to_label_layout(log_probs)
         sums["forward_tokens"] += forward_tokens(batch.sequences, live, shared)
         if trainer_lp is not None:
