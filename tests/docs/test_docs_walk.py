@@ -20,6 +20,7 @@ The pages are parsed at test time, so an edit that breaks a command breaks a tes
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ from tests.docs.walk import (
     README,
     ROOT,
     bash_commands,
+    chains,
     code_spans,
     command_flags,
     dotted_names,
@@ -164,27 +166,54 @@ def test_every_page_is_in_the_nav_and_every_nav_page_exists():
 # ---------------------------------------------------------------- the commands
 
 
+def _runnable() -> list[tuple[list[str], list[str], str]]:
+    """(argv, small-step overrides, page) of the commands run, in reading order, each distinct one once."""
+    seen: dict[tuple[str, ...], str] = {}
+    for page, text in _texts().items():
+        for argv in bash_commands(text):
+            if classify(argv)[0] == "run":
+                seen.setdefault(tuple(argv), page)
+    return [(list(argv), classify(list(argv))[1], page) for argv, page in seen.items()]
+
+
 def test_every_command_is_run_or_has_a_reason():
     commands = [(page, argv) for page, text in _texts().items() for argv in bash_commands(text)]
     assert len(commands) >= 20, "the pages' ```bash blocks were not found"
     unclassified = [f"{page}: {' '.join(argv)}" for page, argv in commands if classify(argv)[0] == "unclassified"]
     assert not unclassified, ("commands neither run by test_commands_work_as_printed nor listed in NOT_RUN "
                               f"with a reason: {unclassified}")
+    assert len(_runnable()) >= 10, "the pages' quick commands were not found"
 
 
-def test_commands_work_as_printed(tmp_path):
+def test_chains_keep_a_run_with_the_commands_that_read_it():
+    """The split of test_commands_work_as_printed: a --resume, --model or view of an earlier run runs
+    after that run, in its scratch; a server's curl and kill go with it; unrelated runs are apart."""
+    sft = [".venv/bin/grpolab", "sft", "--config", "configs/sft_tiny.yaml"]
+    grpo = [".venv/bin/grpolab", "grpo", "--config", "configs/grpo_tiny.yaml", "--model", "runs/sft_tiny/final"]
+    resume = [".venv/bin/grpolab", "grpo", "--resume", "runs/grpo_tiny"]
+    other = [".venv/bin/grpolab", "grpo", "--config", "configs/grpo_tiny.yaml", "--run-dir", "runs/other"]
+    serve, curl, kill = [".venv/bin/grpolab", "serve", "embedded:tiny", "&"], ["curl", "-sf", "URL"], ["kill", "%1"]
+    commands = [(argv, [], "page.md") for argv in (sft, other, serve, grpo, curl, resume, kill)]
+    assert [[argv for argv, _, _ in chain] for chain in chains(commands)] == [[sft, grpo, resume], [other],
+                                                                             [serve, curl, kill]]
+
+
+# Each chain of commands (walk.chains: those sharing a run directory) is one test, so that xdist's workers
+# share the walk (one test of ~140 s before).
+CHAINS = chains(_runnable())
+
+
+def _chain_id(chain) -> str:
+    argv, _, page = chain[0]
+    return f"{Path(page).stem}:{Path(argv[argv.index('--config') + 1]).stem if '--config' in argv else argv[1]}"
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[_chain_id(chain) for chain in CHAINS])
+def test_commands_work_as_printed(chain, tmp_path):
     """The pages' commands in reading order, each distinct one once, as printed plus only the small
     step counts: exit code 0, and the run directory, final model, metrics or files it prints exist.
-    Every failing command is reported, not only the first."""
-    seen: dict[tuple[str, ...], str] = {}
-    for page, text in _texts().items():
-        for argv in bash_commands(text):
-            kind, small = classify(argv)
-            if kind == "run":
-                seen.setdefault(tuple(argv), page)
-    ran, failures = run_commands([(list(argv), classify(list(argv))[1], page) for argv, page in seen.items()],
-                                 tmp_path)
-    assert ran >= 10, "the pages' quick commands were not found"
+    Every failing command of the chain is reported, not only the first."""
+    ran, failures = run_commands(chain, tmp_path)
     assert not failures, f"{len(failures)} of {ran} commands of the docs failed:\n" + "\n".join(failures)
 
 

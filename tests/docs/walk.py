@@ -269,6 +269,55 @@ def _server_line(argv: list[str], small: list[str], page: str, scratch: Path, se
     return [] if proc.returncode == 0 else [f"{printed}\n    the server exited {proc.returncode} on SIGTERM"]
 
 
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def run_paths(argv: list[str]) -> set[str]:
+    """The ``runs/...`` paths a command reads or writes: its words, and its config's (``run_dir``, unless
+    the line gives ``--run-dir``; a ``model``, ``teacher``, corpus... under runs/)."""
+    paths = {w.rstrip("/") for w in argv if w.startswith("runs/")}
+    if "--config" in argv:
+        config = yaml.safe_load((ROOT / argv[argv.index("--config") + 1]).read_text(encoding="utf-8")) or {}
+        if "--run-dir" in argv:
+            config.pop("run_dir", None)
+        paths |= {s.rstrip("/") for s in _strings(config) if s.startswith("runs/")}
+    return paths
+
+
+def chains(commands: list[tuple[list[str], list[str], str]]) -> list[list[tuple[list[str], list[str], str]]]:
+    """The commands (reading order) split into chains that can run apart, each in its own scratch
+    directory: two commands naming the same run directory (one path inside or equal to the other:
+    ``runs/sft_tiny`` and ``runs/sft_tiny/final``) are in one chain, in reading order; a server's ``curl``
+    and ``kill %1`` lines go with the last server started. A command that needs an earlier one's run
+    therefore always runs after it, in its scratch."""
+    parent = list(range(len(commands)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    paths, server = [run_paths(argv) for argv, _, _ in commands], None
+    for i, (argv, _, _) in enumerate(commands):
+        if argv[-1] == "&":
+            server = i
+        elif (argv[0] == "curl" or argv == ["kill", "%1"]) and server is not None:
+            parent[root(i)] = root(server)
+        for j in range(i):
+            if any(a == b or a.startswith(b + "/") or b.startswith(a + "/") for a in paths[i] for b in paths[j]):
+                parent[root(i)] = root(j)
+    grouped: dict[int, list] = {}  # in the order of each chain's first command
+    for i, command in enumerate(commands):
+        grouped.setdefault(root(i), []).append(command)
+    return list(grouped.values())
+
+
 def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path) -> tuple[int, list[str]]:
     """Run (argv, small-step overrides, page) in order in ``scratch`` (a copy of ``configs/`` beside
     them) -> (how many ran, the failures): exit code 0, and the printed paths exist (``grpolab
@@ -277,7 +326,10 @@ def run_commands(commands: list[tuple[list[str], list[str], str]], scratch: Path
     shutil.copytree(ROOT / "configs", scratch / "configs")
     for config in (scratch / "configs").rglob("*.yaml"):
         config.write_text(_in_scratch(config.read_text(encoding="utf-8")), encoding="utf-8")
-    if any(absolute in word for argv, _, _ in commands for word in argv for absolute in DATA_ROOTS):
+    named = [word for argv, _, _ in commands for word in argv]  # and the configs they read
+    named += [(ROOT / argv[argv.index("--config") + 1]).read_text(encoding="utf-8")
+              for argv, _, _ in commands if "--config" in argv]
+    if any(absolute in text for text in named for absolute in DATA_ROOTS):
         make_data_roots(scratch)
     failures, servers = [], []
     for argv, small, page in commands:
