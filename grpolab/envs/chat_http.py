@@ -20,6 +20,7 @@ from .chat_requests import (
     _int,
     _offsets,
     _utf8,
+    stop_reason,
 )
 
 
@@ -59,7 +60,8 @@ def text_complete(server, body: dict) -> dict:
                         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                         "text_offset": _offsets(entries)}
         choices.append({"index": i, "text": text, "finish_reason": "length" if out.finish_reason == "length"
-                        else "stop", "logprobs": logprobs, "token_ids": list(out.response_ids)})
+                        else "stop", "logprobs": logprobs, "token_ids": list(out.response_ids),
+                        "stop_reason": stop_reason(out, req.sampling.stop)})
     completion_tokens = sum(len(c["token_ids"]) for c in choices)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or server.model_name, "choices": choices, "prompt_token_ids": prompt_ids,
@@ -112,7 +114,8 @@ def _chunks(answer: dict, include_usage: bool) -> list[dict]:
             out.append({**base, "choices": [{"index": c["index"], "delta": {"tool_calls": [{"index": k, **call}]},
                                              "logprobs": None, "finish_reason": None}]})
         out.append({**base, "choices": [{"index": c["index"], "delta": {}, "logprobs": None,
-                                         "finish_reason": c["finish_reason"], "token_ids": c["token_ids"]}]})
+                                         "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+                                         "token_ids": c["token_ids"]}]})
     if include_usage:
         out.append({**base, "choices": [], "usage": answer["usage"]})
     return out
@@ -120,9 +123,11 @@ def _chunks(answer: dict, include_usage: bool) -> list[dict]:
 
 def _text_chunks(answer: dict, include_usage: bool) -> list[dict]:
     base = {"id": answer["id"], "object": "text_completion", "created": answer["created"], "model": answer["model"]}
-    out = [{**base, "choices": [{**c, "finish_reason": None, "token_ids": []}]} for c in answer["choices"]]
+    out = [{**base, "choices": [{**c, "finish_reason": None, "stop_reason": None, "token_ids": []}]}
+           for c in answer["choices"]]
     out += [{**base, "choices": [{"index": c["index"], "text": "", "logprobs": None,
-                                  "finish_reason": c["finish_reason"], "token_ids": c["token_ids"]}]}
+                                  "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+                                  "token_ids": c["token_ids"]}]}
             for c in answer["choices"]]
     if include_usage:
         out.append({**base, "choices": [], "usage": answer["usage"]})

@@ -246,10 +246,22 @@ def parse_request(body: dict, *, prompt_len: int, context: int | None, cap: int,
                     bool(body.get("include_stop_str_in_output")), asked is not None)
 
 
+def _stop_hit(text: str, stops: list[str]) -> str | None:
+    """The stop string that ended ``text`` (the earliest in it; on a tie the first asked), else None."""
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits, key=lambda hit: hit[0])[1] if hits else None
+
+
+def stop_reason(out, stops: list[str]) -> str | None:
+    """vLLM's ``stop_reason`` of a sampled output: the stop string that ended it, None at the end of text or
+    at ``max_tokens``."""
+    return None if out.finish_reason == "length" else _stop_hit(out.response, stops)
+
+
 def _cut_stop(text: str, stops: list[str]) -> str:
     """The answer without the stop string that ended it (OpenAI and vLLM leave it out)."""
-    cuts = [text.find(s) for s in stops if s and s in text]
-    return text[:min(cuts)] if cuts else text
+    hit = _stop_hit(text, stops)
+    return text[:text.find(hit)] if hit is not None else text
 
 
 def _offsets(entries: list[dict]) -> list[int]:

@@ -66,6 +66,7 @@ from .chat_requests import (
     context_length,
     forward_log_probs,
     parse_request,
+    stop_reason,
 )
 from .chat_tools import _SENTINEL, CHAT_TEMPLATES, ChatRenderer, parse_tool_calls
 
@@ -271,7 +272,8 @@ class ChatServer:
                                              for c, g in zip(message["tool_calls"], good)]
             self._keep(hashlib.sha256((digests[-1] + _norm(message)).encode()).hexdigest(), ex, as_rendered)
             choice = {"index": i, "message": message, "finish_reason": finish, "token_ids": ex.completion_ids,
-                      "logprobs": self._logprobs(req, job, i, out) if req.logprobs else None}
+                      "logprobs": self._logprobs(req, job, i, out) if req.logprobs else None,
+                      "stop_reason": stop_reason(out, req.sampling.stop)}
             choices.append(choice)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

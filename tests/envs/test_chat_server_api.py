@@ -43,6 +43,7 @@ def test_d3_a_seeded_request_repeats_and_d2_its_stop_string_is_left_out(served):
     stop = text[3]
     cut = ask(client, seed=seed, stop=[stop]).choices[0]
     assert cut.message.content == text[: text.index(stop)] and cut.finish_reason == "stop"
+    assert cut.stop_reason == stop and first.choices[0].stop_reason is None  # vLLM's: which stop string ended it
     assert cut.token_ids == ask(client, seed=seed).choices[0].token_ids[: len(cut.token_ids)]  # the ids as sampled
     kept = ask(client, seed=seed, stop=[stop], extra_body={"include_stop_str_in_output": True}).choices[0]
     assert kept.message.content == text[: text.index(stop) + 1]  # vLLM's option keeps it

@@ -157,17 +157,19 @@ def test_greedy_chat_gives_the_same_text_and_ids(servers):
         vllm, ours = chat(servers, messages=messages, max_tokens=12, temperature=0)
         assert ours["prompt_token_ids"] == vllm["prompt_token_ids"]
         (v,), (o,) = vllm["choices"], ours["choices"]
-        assert (o["message"]["content"], o["token_ids"], o["finish_reason"]) == \
-            (v["message"]["content"], v["token_ids"], v["finish_reason"])
+        assert (o["message"]["content"], o["token_ids"], o["finish_reason"], o["stop_reason"]) == \
+            (v["message"]["content"], v["token_ids"], v["finish_reason"], v["stop_reason"])
         assert ours["usage"]["prompt_tokens"] == vllm["usage"]["prompt_tokens"]
 
 
 def test_greedy_text_completions_are_identical(servers):
     ids = both(servers, "/tokenize", {"prompt": "Hello"})[1]["tokens"]
-    for prompt in ("2+3=", "Hello", ids):
-        vllm, ours = both(servers, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    for prompt, stop in (("2+3=", None), ("Hello", None), (ids, None), ("Hello", ["oo"])):
+        vllm, ours = both(servers, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                       "stop": stop})
         (v,), (o,) = vllm["choices"], ours["choices"]
-        assert (o["text"], o["finish_reason"]) == (v["text"], v["finish_reason"]) and o["text"]
+        assert (o["text"], o["finish_reason"], o["stop_reason"]) == (v["text"], v["finish_reason"], v["stop_reason"])
+        assert o["stop_reason"] == (stop and stop[0])
 
 
 def test_streamed_chunks_join_to_the_answer_on_both(servers):
@@ -180,7 +182,8 @@ def test_streamed_chunks_join_to_the_answer_on_both(servers):
         assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
         choices = [ch for c in chunks for ch in c["choices"]]
         assert "".join(ch["delta"].get("content") or "" for ch in choices) == answer["choices"][0]["message"]["content"]
-        assert [ch["finish_reason"] for ch in choices if ch["finish_reason"]] == [answer["choices"][0]["finish_reason"]]
+        assert [(ch["finish_reason"], ch["stop_reason"]) for ch in choices if ch["finish_reason"]] == \
+            [(answer["choices"][0]["finish_reason"], answer["choices"][0]["stop_reason"])]
         assert chunks[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
     text = {"prompt": "2+3=", "max_tokens": 6, "temperature": 0}
     whole = both(servers, "/v1/completions", text)
@@ -200,7 +203,7 @@ def test_d2_the_stop_string_is_left_out_of_content_as_vllm_does(servers):
         cut, hit = min((text.index(s), s) for s in stop if s in text)
         for answer in (vllm, ours):
             assert answer["choices"][0]["message"]["content"] == text[:cut], (stop, answer["choices"][0])
-            assert answer["choices"][0]["finish_reason"] == "stop"
+            assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["stop_reason"]) == ("stop", hit)
         assert ours["choices"][0]["token_ids"] == vllm["choices"][0]["token_ids"]  # the ids as sampled
         kept = chat(servers, messages=Q, max_tokens=8, temperature=0, stop=stop, include_stop_str_in_output=True)
         assert [a["choices"][0]["message"]["content"] for a in kept] == [text[:cut + len(hit)]] * 2
