@@ -175,5 +175,8 @@ def _env_backend(sampler, path: Path, tokenizer, template=None):
     """``sampler`` wrapped in the tool environment described by the YAML file ``path`` (native function
     calling: the prompts ``template`` renders carry the tool schemas)."""
     from ..envs import EnvBackend, build_env, load_env_file
+    from ..envs.vf import build_vf_env
 
-    return EnvBackend(sampler, build_env(**load_env_file(path), tokenizer=tokenizer), template=template)
+    options = load_env_file(path)
+    build = build_vf_env if options.get("verifiers") else build_env  # a verifiers environment's tools (vf: data)
+    return EnvBackend(sampler, build(**options, tokenizer=tokenizer), template=template)

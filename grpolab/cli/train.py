@@ -120,7 +120,8 @@ def _report(result) -> None:
     )
     after = getattr(result, "after", None)
     if after and "accuracy" in after:
-        typer.echo(f"validation accuracy: {after['accuracy']:.3f}  format rate: {after['format_rate']:.3f}")
+        fmt = f"  format rate: {after['format_rate']:.3f}" if "format_rate" in after else ""  # a rubric may have none
+        typer.echo(f"validation accuracy: {after['accuracy']:.3f}{fmt}")
 
 
 def _report_sft(result) -> None:

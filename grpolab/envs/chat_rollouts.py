@@ -39,7 +39,8 @@ class ChatToolEnv:
     ``functions``: name -> callable taking the schema's arguments (run in a thread with
     ``tool_timeout_s``); ``process_tools``: name -> a ``CustomTool`` run in a supervised worker
     process (``module:function`` tools); ``classes``: TRL-style classes, one instance per rollout,
-    whose public methods are tools; ``renderer``: the template with every schema."""
+    whose public methods are tools; ``renderer``: the template with every schema; ``per_rollout``: tools
+    made for each rollout from its prompt (``vf_v1_tools.V1Tools``: a verifiers.v1 task's toolsets)."""
 
     renderer: ChatRenderer
     functions: dict[str, Callable] = field(default_factory=dict)
@@ -51,12 +52,15 @@ class ChatToolEnv:
     max_observation_chars: int = 2000
     max_observation_tokens: int | None = None
     tool_timeout_s: float = 10.0
+    per_rollout: Any = None
     _pool: cf.ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     def bind(self, template) -> None:
         """Render the run's prompts with this environment's tool schemas (a chat template's ``use_tools``)."""
         if callable(getattr(template, "use_tools", None)):
             template.use_tools(self.renderer.schemas, self.renderer.chat_template)
+        if self.per_rollout is not None:  # it finds each prompt's task by the template's rendered texts
+            self.per_rollout.bind(template)
 
     def rollouts(self, backend, prompts, n, sampling, prompt_ids=None, tokenizer=None) -> list[Rollout]:
         """``chat_rollouts`` in this environment (what ``EnvBackend.generate`` calls)."""
@@ -66,8 +70,9 @@ class ChatToolEnv:
         """Only the sampling's own: a chat model's turn ends at its end of turn."""
         return list(dict.fromkeys(extra))
 
-    def tools_for_rollout(self) -> FunctionTools:
-        """This rollout's tools: the shared functions and a fresh instance of each class (``reset()`` first)."""
+    def tools_for_rollout(self, prompt: str | None = None) -> FunctionTools:
+        """This rollout's tools: the shared functions, a fresh instance of each class (``reset()`` first)
+        and, with ``per_rollout``, those it makes for ``prompt``."""
         functions = dict(self.functions)
         for cls in self.classes:
             instance = cls()
@@ -75,6 +80,8 @@ class ChatToolEnv:
                 instance.reset()
             functions.update({name: getattr(instance, name) for name in class_methods(cls)})
         schemas = {s["function"]["name"]: s["function"].get("parameters") for s in self.renderer.schemas}
+        if self.per_rollout is not None:
+            return self.per_rollout.tools(prompt, functions, self.tool_timeout_s, schemas)
         return FunctionTools(functions, self.tool_timeout_s, schemas)
 
     def run(self, tools: FunctionTools, calls: Sequence[CallRequest]) -> list:
@@ -131,6 +138,8 @@ class _ChatTrace:
     def rollout(self) -> Rollout:
         out = self.trace.rollout()
         out.info.update(malformed_calls=self.malformed, template_mismatches=self.mismatches)
+        if callable(getattr(self.tools, "rollout_info", None)):  # a verifiers.v1 rollout's state, for its rewards
+            out.info.update(self.tools.rollout_info())
         return dataclasses.replace(out, messages=self.messages)
 
 
@@ -140,7 +149,8 @@ def chat_rollouts(backend, env: ChatToolEnv, prompts: Sequence[str], n: int, sam
     tokenizer = _tokenizer_of(backend, tokenizer)
     first = backend.generate(list(prompts), n, _turn_sampling(sampling, env, 0, env.max_total_tokens),
                              prompt_ids=prompt_ids)
-    traces = [_ChatTrace(_Trace(r.prompt, list(r.prompt_ids), r.prompt_index), env.tools_for_rollout()) for r in first]
+    traces = [_ChatTrace(_Trace(r.prompt, list(r.prompt_ids), r.prompt_index), env.tools_for_rollout(r.prompt))
+              for r in first]
     outputs, live = first, list(range(len(traces)))
     for turn in range(env.max_turns):
         pending = []

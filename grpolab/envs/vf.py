@@ -4,6 +4,8 @@ rubric the reward (``grpolab.rewards.vf_rubric``); what runs between turns is bu
 
 - ``SingleTurnEnv``: nothing (None): the run samples one response per prompt;
 - ``ToolEnv``: its Python tools by native function calling (``ChatToolEnv``, ``chat_tools.py``);
+- a ``verifiers.v1`` taskset with toolsets: the same loop, its tools made per rollout
+  (``vf_v1_tools.V1Tools``);
 - any other ``MultiTurnEnv``: ``VerifiersDriver`` (``vf_rollouts.py``), the environment driving each
   rollout against grpolab's chat endpoint.
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..rewards.vf_rubric import environment_kind, load_vf_environment, tool_functions, vf_source
+from ..rewards.vf_v1 import V1Taskset
 from .chat_rollouts import ChatToolEnv
 from .chat_tools import CHAT_TEMPLATES, ChatRenderer
 from .vf_rollouts import VerifiersDriver, vf_tool_schemas
+from .vf_v1_tools import V1Tools
 
 VERIFIERS_KEYS = ("verifiers", "args", "load_timeout_s")
 # the env keys each kind takes beside VERIFIERS_KEYS (a tool's limits; the endpoint's template)
@@ -48,10 +52,12 @@ def build_vf_env(verifiers: str, args: dict[str, Any] | None = None, *, tokenize
         if env_options.get("tool_format", "chat_template") != "chat_template":
             raise ValueError("a verifiers ToolEnv's tools are called in the model's own format: tool_format: "
                              "chat_template (the default for it)")
-        renderer = ChatRenderer(tokenizer, vf_tool_schemas(env), template)
+        per_rollout = V1Tools(env) if isinstance(env, V1Taskset) else None
+        renderer = ChatRenderer(tokenizer, per_rollout.schemas if per_rollout else vf_tool_schemas(env), template)
         renderer.check()
         turns = env_options.get("max_turns", env.max_turns if getattr(env, "max_turns", 0) > 0 else 4)
-        return ChatToolEnv(renderer, tool_functions(env), max_turns=turns, max_total_tokens=max_total_tokens,
+        return ChatToolEnv(renderer, tool_functions(env), per_rollout=per_rollout, max_turns=turns,
+                           max_total_tokens=max_total_tokens,
                            max_observation_chars=env_options.get("max_observation_chars", 2000),
                            max_observation_tokens=env_options.get("max_observation_tokens"),
                            tool_timeout_s=env_options.get("tool_timeout_s", 10.0))

@@ -157,8 +157,9 @@ class VfRubric:
             return self._checked(scores)
         scores = _live_score(response)
         env = load_vf_environment(spec, self.args) if scores is None else None
-        if isinstance(env, V1Taskset):  # verifiers 0.4's API: the task's rewards over a trace
-            scores = env.score(row, _completion(response))
+        if isinstance(env, V1Taskset):  # verifiers 0.4's API: the task's rewards over a trace (and its tools' state)
+            info = response.get("info") if isinstance(response, dict) else None
+            scores = env.score(row, _completion(response), (info or {}).get("vf_state"))
         elif scores is None:
             completion = _completion(response)
             try:

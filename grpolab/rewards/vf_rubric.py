@@ -13,7 +13,7 @@ when it scores its first response, within that response's timeout: an environmen
 Only the classic API of verifiers 0.3.x is used (``pip install -e '.[envs]'``): ``load_environment``,
 ``Environment``, ``Rubric.score_rollout``, ``State`` and its message helpers. A module with no
 ``load_environment`` that exports a ``verifiers.v1`` taskset (verifiers 0.4's API) loads as a
-``vf_v1.V1Taskset`` instead (single-turn).
+``vf_v1.V1Taskset`` instead (single-turn, or tools through ``grpolab.envs.vf_v1_tools``).
 """
 
 from __future__ import annotations
@@ -236,9 +236,10 @@ def _has_reward_functions(rubric) -> bool:
 
 def environment_kind(env: Any) -> str:
     """``single_turn`` (``SingleTurnEnv``), ``tool`` (``ToolEnv`` and its subclasses) or ``multi_turn``
-    (any other environment); a verifiers.v1 taskset is single-turn (``vf_v1``)."""
+    (any other environment); a verifiers.v1 taskset is ``tool`` when its tasks have toolsets, else
+    single-turn (``vf_v1``)."""
     if isinstance(env, V1Taskset):
-        return "single_turn"
+        return env.kind
     vf = require_verifiers()
     if isinstance(env, vf.SingleTurnEnv):
         return "single_turn"
