@@ -101,6 +101,7 @@ class V1Tools:
             raise ValueError(f"{taskset.what}: its toolsets' tools cannot be listed ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:200]})") from None
         self._shared_ready = False
+        self._names: dict[type, list[tuple[str, str]]] = {}  # a toolset class -> (name called, method name)
 
     def bind(self, template) -> None:
         self.template = template
@@ -128,7 +129,9 @@ class V1Tools:
             self._shared_ready = True
         functions = dict(functions)
         for toolset in own + self.taskset.shared_toolsets:
-            for name, method, _ in advertised(toolset):
+            if type(toolset) not in self._names:
+                self._names[type(toolset)] = [(name, method) for name, method, _ in advertised(toolset)]
+            for name, method in self._names[type(toolset)]:
                 functions[name] = _with_state(getattr(toolset, method), state)
         return V1RolloutTools(functions, timeout_s, schemas, state)
 

@@ -131,6 +131,9 @@ def test_a_v1_toolset_taskset_runs_its_tools_each_turn_and_a_grpo_run_trains_on_
     ("class T(vf.Task[D]):\n    async def setup(self, trace, runtime): pass", "task T overrides setup(trace, runtime)"),
     ("class T(vf.Task[D]):\n    @classmethod\n    def toolsets(cls, config):\n"
      "        return [R(vf.ToolsetConfig(url='http://mcp.example:9/mcp'))]", "toolset R has a url"),
+    ("class T(vf.Task[D]):\n    def __init__(self, data, config=None):\n"
+     "        super().__init__(data, vf.TaskConfig(judges=[{'id': 'reference'}]))",
+     "task.judges[0].base_url is 'https://"),
     ("class T(vf.Task[D]):\n    pass\nclass H(vf.Harness):\n    async def launch(self, *a): pass\n__all__ = ['S', 'H']",
      "exports the harness H"),
 ])
