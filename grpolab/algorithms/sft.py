@@ -12,6 +12,10 @@ Tool-using demonstrations: with ``env`` (a tool environment, as GRPO's), each re
 are replayed through the live tools (``envs.replay_demonstrations``): the observations are the ones
 the model will read in its rollouts, tokenised as the rollouts tokenise them, and they leave the
 loss (only the model's own tokens are imitated); validation samples through the environment.
+With ``env: {tool_format: chat_template}`` a demonstration is a ``{messages}`` conversation with the
+assistant's ``tool_calls`` (or a worked solution in the model's syntax), replayed and rendered as the
+chat rollouts render it (``envs.replay_chat_demonstrations``): the model's turns trained, the
+template's tool turns masked.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pydantic import Field, model_validator
 from ..core import pad_token_id
 from ..data import SFTPair, TemplateError, conversation_segments
 from ..data.prompts.chat import check_system_prompt_fits
-from ..envs import EnvBackend, replay_demonstrations
+from ..envs import ChatToolEnv, EnvBackend, replay_chat_demonstrations, replay_demonstrations
 from ..rewards import RewardScorer
 from ..training import distributed
 from ..training.batching import ExampleSampler, accumulate_sft_gradient
@@ -118,15 +122,25 @@ def response_eos_id(tokenizer, model=None) -> int:
     return eos
 
 
-def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool = False, eos_id: int | None = None
-                   ) -> list[tuple[list[int], list[int], list[bool] | None]]:
+def tokenize_pairs(pairs: list[SFTPair], tokenizer, env=None, append_eos: bool = False, eos_id: int | None = None,
+                   template=None) -> list[tuple[list[int], list[int], list[bool] | None]]:
     """(prompt ids, response ids, loss mask) of each pair, prompt and response tokenised separately
     (CS336). With ``append_eos`` the eos id (``eos_id``, else ``response_eos_id``) ends every
     response whose ids do not end with it already. The mask is None (every response token) unless
-    ``env`` replays tool calls (False on the observations) or the pair is a conversation
+    ``env`` replays tool calls (False on the observations; with ``tool_format: chat_template`` the
+    template's tool turns, the prompts re-rendered with the tools by ``template``) or the pair is a conversation
     (``messages``: only the assistant turns and their end-of-turn tokens are trained, as TRL's
     ``assistant_only_loss``)."""
     eos = (eos_id if eos_id is not None else response_eos_id(tokenizer)) if append_eos else None
+    if isinstance(env, ChatToolEnv):  # the model's own function calling: rendered as chat rollouts render it
+        if template is not None:
+            env.bind(template)  # the prompts show the tools, as in the run's rollouts
+        rendered = getattr(template, "rendered", {})
+        prompts = [template.format(rendered[p.prompt]) if p.messages is None and p.prompt in rendered else p.prompt
+                   for p in pairs]
+        responses = [p.messages[len(p.prompt):] if p.messages is not None else p.response for p in pairs]
+        demos = replay_chat_demonstrations(env, tokenizer, prompts, responses, [p.source for p in pairs])
+        return [_ended(d.prompt_ids, d.response_ids, d.loss_mask, eos) for d in demos]
     if env is not None:
         demos = replay_demonstrations(env, tokenizer, [p.prompt for p in pairs], [p.response for p in pairs])
         return [_ended(d.prompt_ids, d.response_ids, d.loss_mask, eos) for d in demos]
@@ -206,7 +220,7 @@ def train_sft(cfg: SFTConfig, *, model=None, tokenizer=None, resume: bool = Fals
         model, tokenizer = run.model, run.tokenizer
         env = run.env  # built by Run before the run directory was touched
         if env is not None:  # tool demonstrations: replayed through the live tools now
-            sequences = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos, checked["eos"])
+            sequences = tokenize_pairs(pairs, tokenizer, env, cfg.append_eos, checked["eos"], inputs.template)
             pairs, sequences = fitting_sequences(pairs, sequences, context_length(run.sampling_model),
                                                  cfg.data_on_error)
         else:

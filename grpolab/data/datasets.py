@@ -106,15 +106,23 @@ def require_field(obj: Any, name: str) -> Any:
 
 def conversation(value: Any, name: str) -> list[dict]:
     """``value`` checked as a list of ``{role, content}`` messages (roles system/user/assistant/tool,
-    content text); KeyError naming the field and the first bad message otherwise."""
+    content text; an assistant turn's OpenAI ``tool_calls`` kept, its content then optional); KeyError
+    naming the field and the first bad message otherwise."""
     if not isinstance(value, list) or not value:
         raise KeyError(f"field {name!r} must be text or a non-empty list of {{role, content}} messages")
+    out = []
     for i, m in enumerate(value):
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if calls is not None and not (isinstance(calls, list) and calls):
+            raise KeyError(f"field {name!r}: message {i}'s tool_calls must be a non-empty list of calls")
+        if calls and m.get("content") is None:  # OpenAI's form: a turn of calls alone has no content
+            m = {**m, "content": ""}
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise KeyError(f"field {name!r}: message {i} is not a {{role, content}} object")
         if m["role"] not in ("system", "user", "assistant", "tool") or not isinstance(m["content"], str):
             raise KeyError(f"field {name!r}: message {i} needs a role (system/user/assistant/tool) and text content")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        out.append({"role": m["role"], "content": m["content"], **({"tool_calls": calls} if calls else {})})
+    return out
 
 
 def text_or_conversation(obj: Any, name: str) -> str | list[dict]:
@@ -307,8 +315,8 @@ def load_sft_pairs(path: str | Path, prompt_field: str = "prompt", response_fiel
             messages = conversation(require_field(obj, "messages"), "messages")
             if not any(m["role"] == "assistant" for m in messages):
                 raise KeyError("field 'messages' has no assistant message to imitate")
-            blank = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()),
-                         None)
+            blank = next((i for i, m in enumerate(messages)
+                          if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")), None)
             if blank is not None:
                 raise KeyError(f"field 'messages': message {blank} is an empty assistant turn (nothing to imitate)")
             first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -36,7 +36,13 @@ from .calculator import Calculator, CalculatorError
 from .chat_rollouts import ChatToolEnv, chat_rollouts
 from .chat_tools import HERMES_TEMPLATE, ChatRenderer, function_schema, parse_tool_calls
 from .custom import CustomTool, resolve_tool
-from .demonstrations import Demonstration, replay_demonstrations, split_demonstration, tool_metrics
+from .demonstrations import (
+    Demonstration,
+    replay_chat_demonstrations,
+    replay_demonstrations,
+    split_demonstration,
+    tool_metrics,
+)
 from .retrieval import (
     BM25Index,
     BM25Settings,
@@ -89,6 +95,7 @@ __all__ = [
     "load_env_file",
     "loss_mask_tensor",
     "open_index",
+    "replay_chat_demonstrations",
     "replay_demonstrations",
     "resolve_tool",
     "retrieval_augmented_prompts",
