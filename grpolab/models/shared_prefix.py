@@ -28,7 +28,7 @@ def supports_shared_prefix(model) -> bool:
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers 4.x name
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
+    if checkpointing or getattr(model, "grpolab_compiled", False):  # models.compiled: its block takes no KV cache
         return False
     return cfg is not None and not getattr(cfg, "is_encoder_decoder", False) and hasattr(model, "forward")
 

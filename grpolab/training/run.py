@@ -111,7 +111,8 @@ class Run:
                                                device=self.device, probe=probe)
         # the engine (DDP/FSDP2/DeepSpeed), LoRA, and the plain copy the sampler draws from
         self.weights = RunModel(cfg, model.to(self.device), self.device, self.state)
-        self.autocast = autocast_for(getattr(cfg, "dtype", "float32"), self.device)
+        # every trainer forward's context: bf16 autocast where asked, the compiled layers where compile is on
+        self.autocast = self.weights.forward_context(autocast_for(getattr(cfg, "dtype", "float32"), self.device))
         if check_inputs is not None:  # e.g. prompts fit the context, the rollout fits memory
             check_inputs(self.sampling_model, self.tokenizer, self.device)
         self.env = build_run_env(cfg, self.tokenizer)  # tools, retrieval index: built before the directory is touched
@@ -176,6 +177,8 @@ class Run:
         scheduler, sampler, KL controller, health monitor, a module) for checkpoints; restores
         it now when resuming. Returns ``obj``."""
         self._tracked[name] = obj
+        if isinstance(obj, torch.nn.Module) and self.weights.compiled is not None:
+            self.weights.compiled.adopt(obj)  # a reference policy's copy: its forwards run compiled too
         if isinstance(obj, torch.optim.Optimizer) and self.dist.sharded:
             self.weights.attach_optimizer(name, obj, self.resumed_from)
         elif self.state is not None and name in self.state:

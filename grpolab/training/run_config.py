@@ -153,6 +153,9 @@ class RunConfig(BaseConfig):
     """FSDP2: keep parameters, gradients and optimizer state on the CPU (less GPU memory, slower)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward: less memory, ~30 % slower."""
+    compile: Literal["auto", "true", "false"] = "auto"
+    """torch.compile (inductor) of the decoder layers in the trainer's forwards, one graph for all lengths; the first
+    update pays the compile, GRPO forgoes share_prompt_prefix. auto: CUDA only (docs/results/compile.md)."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank via peft (the scale extra); 0: off, full fine-tuning."""
     lora_alpha: float = Field(16.0, gt=0)
@@ -184,6 +187,11 @@ class RunConfig(BaseConfig):
     @property
     def total_steps(self) -> int:
         return int(getattr(self, self.steps_field))
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_words(cls, value: Any) -> Any:  # YAML's true/false arrive as booleans
+        return str(value).lower() if isinstance(value, bool) else value
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ It holds three views of one set of weights:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..models import lora
+from ..models.compiled import CompiledLayers, compile_refusal
 from ..rollout.base import WeightSyncError, probe_ids, probe_tolerance
 from . import distributed, sharded_optimizer
 from .checkpoints import atomic_directory, save_final
@@ -65,6 +67,7 @@ class RunModel:
             if shell:
                 base_dtype = torch.bfloat16 if getattr(cfg, "dtype", "float32") == "bfloat16" else None
                 self.own_merged = lora.own_merged(self.replica, model, base_dtype)
+        self.compiled = compiled_layers(cfg, model, device)
         self.model = distributed.wrap(model, device).train()
         self.dist.replica = self.replica
         # a vLLM engine holds its own copy, streamed after each update (``sync``): the plain copy is
@@ -74,6 +77,19 @@ class RunModel:
             or getattr(cfg, "max_staleness", 0) > 0
         self.stale = True
         self.refresh()
+
+    def forward_context(self, autocast):
+        """The context of the trainers' forwards (``Run.autocast``): ``autocast`` (bf16 where asked), and
+        the compiled decoder layers where ``compile`` is on (``models.compiled``)."""
+        if self.compiled is None:
+            return autocast
+        compiled = self.compiled
+
+        @contextlib.contextmanager
+        def both():
+            with autocast(), compiled():
+                yield
+        return both
 
     @property
     def sampling_model(self):
@@ -224,6 +240,22 @@ class RunModel:
                 extra(tmp)
 
         return atomic_directory(target, write) if self.dist.is_main else target
+
+
+def compiled_layers(cfg, model, device) -> CompiledLayers | None:
+    """The decoder layers compiled for the update (``compile``): ``true`` compiles or stops the run with one
+    line saying why it cannot; ``auto`` compiles on a CUDA device where nothing refuses (on the CPU the compile
+    took longer than a short run saves: docs/results/compile.md); ``false`` runs eager."""
+    setting = getattr(cfg, "compile", "false")
+    if setting == "false" or (setting == "auto" and torch.device(device).type != "cuda"):
+        return None
+    why = compile_refusal(model, gradient_checkpointing=cfg.gradient_checkpointing,
+                          engine=getattr(cfg, "distributed", "none"))
+    if why is None:
+        return CompiledLayers(model)
+    if setting == "auto":
+        return None
+    raise ConfigError(f"compile: true, but {why}; set compile: false (or auto)")
 
 
 def check_probe(mine, theirs, dtype, where: str | None = None) -> None:
