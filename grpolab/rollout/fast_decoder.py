@@ -60,11 +60,12 @@ class _Layer:
     def cast_into(self, buffer: torch.Tensor, offset: int) -> tuple[_Layer, int]:
         """This layer with its matmul weights and biases in ``buffer``'s dtype, written into ``buffer``
         from ``offset`` on: what autocast casts them to at every call (the same values), cast once
-        instead of at every decode step. Returns the layer and the next free offset."""
+        instead of at every decode step; a weight already in that dtype (a bf16 LoRA run's merged
+        layers) is used as it is, not copied. Returns the layer and the next free offset."""
         out = copy.copy(self)
         for name in self.MATMUL:
             weight = getattr(self, name)
-            if weight is not None:
+            if weight is not None and weight.dtype != buffer.dtype:
                 view = buffer[offset : offset + weight.numel()].view(weight.shape)
                 view.copy_(weight)
                 setattr(out, name, view)
@@ -145,7 +146,7 @@ class FastDecoder:
         if dtype not in self._cast:  # one block for all of them: freed whole, it leaves the heap no holes
             weights = [getattr(lay, n) for lay in self.layers for n in _Layer.MATMUL]
             head_size = 0 if self.logits_fp32 else self.lm_head.numel()  # an fp32 head runs lm_head_fp32
-            size = sum(w.numel() for w in weights if w is not None) + head_size
+            size = sum(w.numel() for w in weights if w is not None and w.dtype != dtype) + head_size
             buffer = torch.empty(size, dtype=dtype, device=self.lm_head.device)
             layers, offset = [], 0
             for lay in self.layers:

@@ -502,6 +502,27 @@ def test_lean_decoder_logits_fp32_matches_the_hugging_face_forward():
         assert torch.allclose(first[row], ref[row], atol=0.05)  # bf16 trunk, float32 head
 
 
+def test_lean_decoder_uses_layers_already_in_the_autocast_dtype_without_copying_them():
+    """A bf16 LoRA run's sampler copy holds its merged layers in bf16 beside an fp32 trunk: under bf16
+    autocast the lean decoder reads those weights where they are (the cast block holds only the fp32
+    ones) and its logits equal an all-fp32 copy's, whose weights autocast casts to the same values."""
+    from grpolab.rollout import fast_decoder
+
+    model = llama(tie_word_embeddings=False)
+    mixed = copy.deepcopy(model)
+    layer = mixed.model.layers[0]
+    for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        lin.to(torch.bfloat16)
+    ids, mask = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    dec_ref, dec = fast_decoder.FastDecoder(model), fast_decoder.FastDecoder(mixed)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, got = dec_ref.prefill(ids, mask, max_new=2), dec.prefill(ids, mask, max_new=2)
+        layers, _ = dec._weights(torch.bfloat16)
+    assert layers[0].o_w is layer.self_attn.o_proj.weight and layers[0].down_w is layer.mlp.down_proj.weight
+    assert layers[0].qkv_w.dtype == torch.bfloat16 and layers[0].qkv_w is not dec.layers[0].qkv_w
+    assert torch.equal(got, ref)
+
+
 def test_logits_fp32_shrinks_the_sampler_trainer_mismatch_under_bf16():
     from grpolab.core import build_sequences
     from grpolab.models import build_char_tokenizer
