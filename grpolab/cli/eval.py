@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -130,17 +131,19 @@ def eval_template(opts, tokenizer) -> tuple[str | None, str | None]:
 def _trained_default(config: dict, tokenizer) -> str:
     """The template a run whose config names none trained with: the one its SFT pairs held
     (``load_sft_inputs``), else its default (``default_template_name``)."""
-    from ..data import get_task, load_sft_pairs
+    from ..data import load_sft_pairs
     from ..data.prompts import held_template
-    from ..training.inputs import default_template_name, looks_like_sft_pairs
+    from ..training.inputs import default_template_name, looks_like_sft_pairs, run_task
 
     data = config.get("train_data")
     if data and Path(data).is_file() and looks_like_sft_pairs(data):
         held = held_template(p.prompt for p in load_sft_pairs(data) if p.messages is None)
         if held is not None:
             return held
-    task = get_task(config["task"], seed=config.get("seed", 0), options=config.get("task_options")) \
-        if config.get("task") else None
+    # the run's task as training built it (run_task): a verifiers environment's (env.verifiers) included,
+    # whose rubric reads no <answer> tags (plain chat), as a task's or the default r1_zero reward does
+    task = run_task(SimpleNamespace(env=config.get("env"), seed=config.get("seed", 0), task=config.get("task"),
+                                    task_options=config.get("task_options")))
     return default_template_name(task, tokenizer, config.get("reward"), say=False)
 
 

@@ -73,3 +73,22 @@ def test_a_model_sft_trained_on_cs336_prompts_is_evaluated_on_r1_zero(tmp_path):
     out = _eval(run / "final", validation, tmp_path / "eval")
     assert out.exit_code == 0, out.output
     assert f"grpolab eval: prompt template r1_zero (the template {run / 'final'} was trained with" in out.output
+
+
+def test_a_run_trained_on_a_verifiers_environment_is_evaluated_on_the_template_it_trained_with(tmp_path):
+    """A run on ``env: {verifiers: FILE}`` names no template: training chose plain ``chat`` (the
+    environment's rubric reads no <answer> tags); eval chooses the same, not chat_r1 (it did, and a
+    held-out eval of such a run needed --prompt-template chat to see what was trained)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from grpolab.cli.eval import eval_template
+
+    env_file = Path(__file__).resolve().parents[2] / "configs" / "envs" / "vf_arithmetic_v1.py"
+    run = tmp_path / "run"
+    model = chat_model_dir(run / "final")
+    (run / "config.yaml").write_text(f"env:\n  verifiers: {env_file}\n  args: {{n: 20}}\nseed: 0\n")
+    opts = EvalOptions(model=str(model), data=f"vf:{env_file}")
+    name, _ = eval_template(opts, AutoTokenizer.from_pretrained(model))
+    assert name == "chat"
