@@ -154,8 +154,9 @@ class RunConfig(BaseConfig):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward: less memory, ~30 % slower."""
     compile: Literal["auto", "true", "false"] = "auto"
-    """torch.compile (inductor) of the decoder layers in the trainer's forwards, one graph for all lengths; the first
-    update pays the compile, GRPO forgoes share_prompt_prefix. auto: CUDA only (docs/results/compile.md)."""
+    """torch.compile (inductor) of the decoder layers in the trainer's forwards, one graph for all lengths; the
+    first update pays the compile, GRPO forgoes share_prompt_prefix. auto: CUDA without prompt sharing
+    (docs/results/compile.md)."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank via peft (the scale extra); 0: off, full fine-tuning."""
     lora_alpha: float = Field(16.0, gt=0)

@@ -244,10 +244,13 @@ class RunModel:
 
 def compiled_layers(cfg, model, device) -> CompiledLayers | None:
     """The decoder layers compiled for the update (``compile``): ``true`` compiles or stops the run with one
-    line saying why it cannot; ``auto`` compiles on a CUDA device where nothing refuses (on the CPU the compile
-    took longer than a short run saves: docs/results/compile.md); ``false`` runs eager."""
+    line saying why it cannot; ``auto`` compiles on a CUDA device where nothing refuses and the update shares no
+    prompts (a compiled GRPO update runs each row whole: on the CPU sharing saved more than compiling, and the
+    compile costs ~6 short steps: docs/results/compile.md); ``false`` runs eager."""
     setting = getattr(cfg, "compile", "false")
-    if setting == "false" or (setting == "auto" and torch.device(device).type != "cuda"):
+    if setting == "false":
+        return None
+    if setting == "auto" and (torch.device(device).type != "cuda" or getattr(cfg, "share_prompt_prefix", False)):
         return None
     why = compile_refusal(model, gradient_checkpointing=cfg.gradient_checkpointing,
                           engine=getattr(cfg, "distributed", "none"))

@@ -73,7 +73,11 @@ def test_compile_field_turns_it_on_or_refuses_in_one_line(grpo_config):
     cpu = torch.device("cpu")
     assert isinstance(compiled_layers(grpo_config(compile=True), model, cpu), CompiledLayers)
     assert compiled_layers(grpo_config(compile=False), model, cpu) is None
-    assert compiled_layers(grpo_config(), model, cpu) is None  # auto: the tiny model's compile never pays back
+    assert compiled_layers(grpo_config(), model, cpu) is None  # auto: not on the CPU (docs/results/compile.md)
+    cuda = torch.device("cuda")  # nothing runs on it here: auto's decision only (torch.compile is lazy)
+    assert compiled_layers(grpo_config(), build_tiny_model("tiny"), cuda) is None  # GRPO shares prompts by default
+    assert isinstance(compiled_layers(grpo_config(share_prompt_prefix=False), build_tiny_model("tiny"), cuda),
+                      CompiledLayers)
     with pytest.raises(ConfigError, match="compile: true, but gradient_checkpointing is on"):
         compiled_layers(grpo_config(compile=True, gradient_checkpointing=True), model, cpu)
 
