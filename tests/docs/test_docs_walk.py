@@ -108,6 +108,8 @@ NOT_RUN = [
     (("srun",), "the SLURM recipe: a cluster"),
     (("grpolab", "grpo", "--config", "my.yaml"), "the reader's own my.yaml; its flags are checked by test_flags_exist"),
     (("OMP_NUM_THREADS=1", ".venv/bin/grpolab", "grpo", "--config", "configs/real/"), REAL_MODEL),
+    (("OMP_NUM_THREADS=2", ".venv/bin/grpolab", "sft", "--config", "configs/real/"), REAL_MODEL),
+    (("OMP_NUM_THREADS=2", ".venv/bin/grpolab", "grpo", "--config", "configs/real/"), REAL_MODEL),
     (("OMP_NUM_THREADS=2", ".venv/bin/grpolab", "grpo", "--config", "configs/envs/"), REAL_MODEL),
     (("OMP_NUM_THREADS=2", ".venv/bin/grpolab", "eval"), REAL_MODEL),
     (("python3", "-m", "venv", ".venv"), "the GPU install: a fresh .venv on a CUDA machine (here .venv is the CPU "
