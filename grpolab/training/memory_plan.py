@@ -1,35 +1,31 @@
 """``grpolab plan``: per-rank memory of a run, estimated from its config and the model's shape
 (``config.json`` only: nothing is loaded or downloaded), and whether it fits.
 
-What a rank holds is what grpolab's own code allocates (``run_model.py``, ``distributed.py``,
-``core/logprobs.py``):
+What a rank holds is what grpolab's own code allocates (``run_model.py``, ``distributed.py``, ``core/logprobs.py``):
 
-- the training weights in float32 (``dtype: bfloat16`` is autocast over fp32 weights), whole under
-  none/DDP/ZeRO-1/2, ``1/world`` of them under FSDP2 and ZeRO-3; every ZeRO stage also keeps an fp32
-  master copy of its partition (DeepSpeed clones it even from fp32 weights);
-- gradients of the trainable parameters (fp32; sharded like the weights under FSDP2/ZeRO-2/3; ZeRO-1
-  keeps them whole and copies its partition's out; DDP keeps a second copy in its all-reduce
-  buckets) and AdamW's two fp32 moments (sharded by FSDP2 and every ZeRO stage, not by DDP); under
-  LoRA only the adapters train;
-- the sampler's plain copy of the full weights (``RunModel.replica``) whenever the training weights
-  are sharded or adapted, and the hf sampler's fused q/k/v and gate/up weights (``fast_decoder``;
-  under bf16 also, through the rollout only, a bf16 copy of every matmul weight);
-  ZeRO's gradient reduce bucket (``reduce_bucket_size`` with ``contiguous_gradients``, whole on a
-  GPU; two with ZeRO-1/2's ``overlap_comm``); and the frozen reference (``kl_coef``/``beta`` > 0;
-  LoRA: none, the base with the adapter off);
-- one micro-batch's activations (every tensor a decoder layer saves for its backward; with gradient
-  checkpointing only each layer's input, plus one layer recomputed) and the log-prob buffers (the
-  head runs ``LOGITS_CHUNK_BYTES`` of float32 logits at a time);
-- the rollout: the hf backend's KV cache, or the colocated vLLM engine
-  (``vllm_gpu_memory_utilization`` of the GPU: its weights, the rest KV cache; with sleep mode it is
-  freed during the update); on a CPU its weights plus ``vllm_cpu_kvcache_space_gib``.
+- the training weights in float32 (``dtype: bfloat16`` is autocast over fp32 weights), whole under none/DDP/ZeRO-1/2,
+  ``1/world`` of them under FSDP2 and ZeRO-3; every ZeRO stage also keeps an fp32 master copy of its partition
+  (DeepSpeed clones it even from fp32 weights);
+- gradients of the trainable parameters (fp32; sharded like the weights under FSDP2/ZeRO-2/3; ZeRO-1 keeps them whole
+  and copies its partition's out; DDP keeps a second copy in its all-reduce buckets) and AdamW's two fp32 moments
+  (sharded by FSDP2 and every ZeRO stage, not by DDP); under LoRA only the adapters train;
+- the sampler's plain copy of the full weights (``RunModel.replica``) whenever the training weights are sharded or
+  adapted, and the hf sampler's fused q/k/v and gate/up weights (``fast_decoder``; under bf16 also, through the
+  rollout only, a bf16 copy of every matmul weight); ZeRO's gradient reduce bucket (``reduce_bucket_size`` with
+  ``contiguous_gradients``, whole on a GPU; two with ZeRO-1/2's ``overlap_comm``); and the frozen reference
+  (``kl_coef``/``beta`` > 0; LoRA: none, the adapter off); on a CPU a bf16 LoRA run's fp32 checkpoint stays mapped;
+- one micro-batch's activations (every tensor a decoder layer saves for its backward; with gradient checkpointing only
+  each layer's input, plus one layer recomputed) and the log-prob buffers (the head runs ``LOGITS_CHUNK_BYTES`` of
+  float32 logits at a time);
+- the rollout: the hf backend's KV cache, or the colocated vLLM engine (``vllm_gpu_memory_utilization`` of the GPU:
+  its weights, the rest KV cache; with sleep mode it is freed during the update); on a CPU its weights plus
+  ``vllm_cpu_kvcache_space_gib``.
 
 The peak is the largest of five phases, one function each over the rank's ``RankMemory``:
-set-up (the whole model is loaded, and copied for the sampler, before it is sharded), rollout,
-update (gradients and activations live), the optimizer step (AdamW's foreach temporaries beside
-the gradients), and the weight sync after it (the full weights gathered from the shards; merged
-W + BA under LoRA). The model's shape and the hardware are ``plan_inputs.py``'s.
-Validated against measured peak RSS of real CPU runs (tests/scale/test_memory_plan.py).
+set-up (the whole model is loaded, and copied for the sampler, before it is sharded), rollout, update (gradients and
+activations live), the optimizer step (AdamW's foreach temporaries beside the gradients), and the weight sync after it
+(the full weights gathered from the shards; merged W + BA under LoRA). The model's shape and the hardware are
+``plan_inputs.py``'s. Validated against measured peak RSS of real CPU runs (tests/scale/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -110,6 +106,7 @@ class RankMemory:
     kv_cache: int = 0
     fused: int = 0  # the hf sampler's fused q/k/v, gate/up
     cast: int = 0  # the hf sampler's bf16 copies of the matmul weights under bf16 autocast (rollout only)
+    mapped: int = 0  # CPU: pages of the fp32 checkpoint file still mapped after its adapted layers were cast
     asleep: bool = False  # vLLM sleep mode (level 1) during the update: weights offloaded, KV cache freed
     seq: int = 1
 
@@ -117,7 +114,7 @@ class RankMemory:
     def persistent(self) -> int:
         """What lives through every phase after set-up (ZeRO keeps its gradient partitions too)."""
         return (self.weights + self.replica + self.fused + self.bucket + self.reference + self.optimizer
-                + self.kept_gradients)
+                + self.kept_gradients + self.mapped)
 
     @property
     def merged_bytes(self) -> int:
@@ -173,13 +170,18 @@ def _resident(cfg, shape: ModelShape, hw: Hardware, notes: list[str]) -> RankMem
     if m.shell:  # the adapted layers' frozen base in the compute dtype (bf16: half), the rest fp32
         adapted = int(P * m.lora_fraction)
         m.weights = 4 * (P - adapted) + m.merged_bytes
+        if m.bf16 and not gpu and shape.checkpoint_fp32:
+            # CPU: the fp32 tensors left (embeddings, norms) view the safetensors mmap, so the adapted layers'
+            # pages read when cast stay resident (/proc/self/smaps: 72 MB of the 19M model's 76 MB file, busy
+            # 2-core AVX-512-BF16 EPYC; not measured for a bf16 file, which is converted on load: taken as 0)
+            m.mapped = 4 * adapted
     if stage:
         # every ZeRO stage's fp32 master partition beside the parameters' (stage_1_and_2.py's
         # single_partition_of_fp32_groups, a clone even of fp32 weights; stage3.py's fp32 partition)
         m.weights += 4 * trainable // world
-    # a plain full copy of the weights when the trained ones are sharded or adapted: the hf sampler's,
-    # and with vLLM still kept for validation and final/ (the engine's weights stream from the shards)
-    # LoRA on whole weights: only the merged adapted layers, in the compute dtype (the rest is shared)
+    # a plain full copy of the weights when the trained ones are sharded or adapted: the hf sampler's, and with vLLM
+    # still kept for validation and final/ (the engine's weights stream from the shards); LoRA on whole weights:
+    # only the merged adapted layers, in the compute dtype (the rest is shared)
     m.replica = m.merged_bytes if m.shell else 4 * P if (lora or sharded_params) else 0
     kl = getattr(cfg, "kl_coef", 0) > 0 or cfg.needs_reference
     m.reference = 4 * P if kl and not lora else 0
@@ -255,7 +257,7 @@ def setup_peak(m: RankMemory) -> int:
     """Set-up, before the vLLM engine is built: the whole model loaded in fp32 (and copied for the
     sampler and the reference) before any sharding."""
     if m.shell:  # the fp32 model loaded, then each adapted layer's copy made as its fp32 base is cast
-        return max(4 * m.shape.n_params, m.weights + m.replica) + m.reference
+        return max(4 * m.shape.n_params, m.weights + m.replica + m.mapped) + m.reference
     return 4 * m.shape.n_params + m.replica + m.reference
 
 
@@ -325,7 +327,7 @@ def estimate(cfg, hw: Hardware, architecture: str | None = None, prompt_tokens: 
     acts = rows * m.seq * shape.activation_bytes_per_token(ckpt, m.bf16)
     plan.terms = {"weights": m.weights, "gradients": m.gradients, "optimizer states (AdamW)": m.optimizer,
                   "sampler's weight copy": m.replica, "sampler's fused q/k/v, gate/up (hf)": m.fused,
-                  "sampler's bf16 weights (hf)": m.cast,
+                  "sampler's bf16 weights (hf)": m.cast, **({"checkpoint mmap (CPU)": m.mapped} if m.mapped else {}),
                   "ZeRO gradient bucket": m.bucket, "reference model": m.reference, "activations": acts,
                   "log-prob buffers, gathered layers": m.update_extra(rows, ckpt) - acts, "vLLM weights": m.engine,
                   "KV cache": m.kv_cache,

@@ -10,7 +10,7 @@ not fit the context."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..data import DataError, TemplateError
@@ -86,6 +86,7 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool
     head_dim: int
+    checkpoint_fp32: bool = True  # loaded from a float32 safetensors file (config.json's dtype float32, or none given)
 
     @classmethod
     def from_config(cls, cfg: dict, source: str) -> "ModelShape":
@@ -110,7 +111,8 @@ class ModelShape:
                    max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, default=2048),
                    tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, False),
                    attention_bias=_flag(cfg, "attention_bias", source, cfg.get("model_type") == "qwen2"),
-                   head_dim=head_dim)
+                   head_dim=head_dim,
+                   checkpoint_fp32=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32") == "float32")
 
     @property
     def q_dim(self) -> int:
@@ -188,8 +190,9 @@ class ModelShape:
 def tiny_shape(name: str) -> ModelShape:
     if name not in TINY_SIZES:
         raise ValueError(f"model: unknown embedded model {name!r}; expected one of {', '.join(TINY_SIZES)}")
-    return ModelShape.from_config(dict(TINY_SIZES[name], vocab_size=len(SPECIAL_TOKENS + TAG_TOKENS + CHARACTERS),
-                                       max_position_embeddings=512, tie_word_embeddings=True), f"embedded:{name}")
+    shape = ModelShape.from_config(dict(TINY_SIZES[name], vocab_size=len(SPECIAL_TOKENS + TAG_TOKENS + CHARACTERS),
+                                        max_position_embeddings=512, tie_word_embeddings=True), f"embedded:{name}")
+    return replace(shape, checkpoint_fp32=False)  # built in memory: no file mapped
 
 
 def model_shape(model: str, architecture: str | None = None) -> tuple[ModelShape, str]:

@@ -31,8 +31,9 @@ SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_a
 LONG = ["--gradient-accumulation-steps", "1", "--sampling-max-tokens", "64"]
 # (the issue's five: one process, DDP, FSDP2, ZeRO-3, LoRA; and checkpointing where activations
 # dominate. LoRA under DDP/FSDP2 and the rest of the grid: `python benchmarks/memory.py`, docs/results/memory.md)
+BF16 = ["--dtype", "bfloat16"]  # autocast over fp32 weights (LoRA: the adapted layers' frozen base in bf16)
 SETTINGS = [("single", False, []), ("ddp", False, []), ("fsdp2", False, []), ("zero3", False, []),
-            ("single", True, []), ("single + grad ckpt", False, LONG)]
+            ("single", True, []), ("single + grad ckpt", False, LONG), ("single", False, BF16), ("single", True, BF16)]
 TOLERANCE = 0.25
 
 
@@ -64,7 +65,8 @@ def idle_mb() -> float:
     "name,lora,more",
     SETTINGS,
     ids=[
-        f"{n.replace(' + ', '+').replace(' ', '_')}{'-lora' if lora else ''}{'-long' if more else ''}"
+        f"{n.replace(' + ', '+').replace(' ', '_')}{'-lora' if lora else ''}{'-long' if more == LONG else ''}"
+        f"{'-bf16' if more == BF16 else ''}"
         for n, lora, more in SETTINGS
     ],
 )
@@ -85,7 +87,8 @@ def test_plan_within_25_percent_of_measured_peak(name, lora, more, medium_model,
                            parse_overrides(bench.overrides(args, strategy, lora, extra, tmp_path / "plan")))
     plan = estimate(cfg, Hardware("cpu", ranks, 64 * GiB))
     estimated = plan.peak / MiB
-    line = (f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more else ''}: estimated {estimated:.0f} MB, "
+    line = (f"{name}{' + LoRA' if lora else ''}{' (long responses)' if more == LONG else ''}"
+            f"{' bf16' if more == BF16 else ''}: estimated {estimated:.0f} MB, "
             f"measured {measured:.0f} MB per rank "
             f"(peak RSS {result['peak_rss_mb']} - idle {idle_mb:.0f}); phases "
             + ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.phases.items()))

@@ -76,6 +76,33 @@ def test_a_bf16_hf_rollout_plans_the_bf16_weight_copies_in_the_rollout_alone(tmp
     assert fp32_head.terms[term] == model_shape("embedded:small")[0].cast_sampler_bytes(head=False) < cast
 
 
+def test_a_bf16_lora_run_on_the_cpu_plans_its_fp32_checkpoint_still_mapped(tmp_path):
+    # the frozen fp32 tensors left after the adapted layers' base is cast to bf16 view the safetensors mmap, so
+    # those layers' pages stay resident (measured by tests/scale/test_memory_plan.py's single-lora-bf16 row)
+    small = dict(ARCHITECTURES["Qwen2.5-Math-7B"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    term = "checkpoint mmap (CPU)"
+
+    def plan(file_dtype, kind="cpu", dtype="bfloat16", lora_r=8, model=None):
+        if model is None:
+            model = tmp_path / file_dtype
+            model.mkdir(exist_ok=True)
+            (model / "config.json").write_text(json.dumps(dict(small, dtype=file_dtype)))
+        cfg = GRPOConfig.build(None, dict(model=str(model), run_dir=str(tmp_path / "run"), dtype=dtype, lora_r=lora_r,
+                                          rollout_batch_size=16, group_size=4, train_batch_size=16,
+                                          gradient_accumulation_steps=2))
+        return estimate(cfg, Hardware(kind, 1, 8 * GiB), prompt_tokens=16)
+
+    shape = ModelShape.from_config(small, "test")
+    adapted = round(shape.n_params * shape.lora_weight_fraction("all-linear"))
+    mapped = plan("float32")
+    assert abs(mapped.terms[term] - 4 * adapted) <= 4
+    assert mapped.phases["optimizer step"] - plan("float32", kind="gpu").phases["optimizer step"] == mapped.terms[term]
+    for other in (plan("float32", kind="gpu"), plan("bfloat16"), plan("float32", dtype="float32"),
+                  plan("float32", lora_r=0), plan("", model="embedded:small")):
+        assert term not in other.terms
+
+
 def test_known_architectures_have_their_published_sizes():
     assert round(model_shape("x", "Qwen2.5-Math-1.5B")[0].n_params / 1e9, 2) == 1.54
     assert round(model_shape("x", "Qwen2.5-Math-7B")[0].n_params / 1e9, 2) == 7.62
