@@ -1,6 +1,7 @@
 """``grpolab plan`` against measured memory: real GRPO runs on the CPU — one process, DDP, FSDP2 and
 DeepSpeed ZeRO-3 under ``torchrun`` with 2 gloo ranks, LoRA, and a run whose peak is one
-micro-batch's activations under gradient checkpointing — each rank's peak RSS minus an idle process's (one that only
+micro-batch's activations under gradient checkpointing, and one process under ``dtype: bfloat16`` (full
+fine-tuning and LoRA) — each rank's peak RSS minus an idle process's (one that only
 imported torch, transformers and grpolab), against the estimate for the same config: within 25 %.
 The runs are ``benchmarks/memory.py``'s own (its ``measure`` and ``overrides``: two GRPO steps of 16
 rollouts, the second with AdamW's states in place) on a 19M-parameter Llama (76 MB of fp32 weights),
