@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs reference test test-vllm test-real test-vf04 test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async clean
+.PHONY: setup demo lint docs reference test test-vllm test-real test-vf04 test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async bench-packing bench-compile clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,9 +51,11 @@ docs: setup
 
 # The light suite in TEST_WORKERS processes (pytest-xdist), each with one torch thread: two workers
 # with two spinning OpenMP threads each on a 2-core machine slow everything down several-fold.
+# --dist loadgroup: a module's tests that share a module-scoped fixture (a server, a run) go to one
+# worker (tests/conftest.py groups them), so the fixture is built once, not once per worker.
 TEST_WORKERS ?= 2
 test: setup lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -161,6 +163,16 @@ bench-tta: setup $(BENCH_STAMP)
 # shares, staleness and held-out accuracy; alone on the machine (each setting is a 2-core run). ARGS e.g. ARGS="--steps 4".
 bench-async: setup
 	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BIN)/python benchmarks/async.py $(ARGS)
+
+# Padding-free packing against padded micro-batches in GRPO's update (benchmarks/packing.py): tokens removed and
+# packed/padded update time, tiny model and SmolLM2 (when cached), float32 and bf16. ARGS e.g. ARGS="--models tiny".
+bench-packing: setup
+	$(BIN)/python benchmarks/packing.py $(ARGS)
+
+# The compiled update (compile: true) against eager on SmolLM2-135M-Instruct (benchmarks/compile.py): update seconds,
+# fraction of the matmul floor, compile seconds and the steps that pay it back, float32 and bf16.
+bench-compile: setup
+	@$(GET_REAL_MODEL); [ -z "$$real_why" ] && $(BIN)/python benchmarks/compile.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) .pytest_cache .hypothesis

@@ -158,8 +158,8 @@ class GRPOConfig(PolicyUpdateConfig):
     """Run each prompt once per micro-batch for its whole group where the model allows (same gradient, fewer
     tokens)."""
     packing: PackingMode = "auto"
-    """Padding-free micro-batches where prompts are not shared: rows as one sequence, per-row positions, no attention
-    across rows (same log-probs). auto: with flash attention only (sdpa on CPU measured slower); false: padded."""
+    """Padding-free micro-batches where prompts are not shared: rows packed into sequences of the longest row's
+    length, per-row positions, no attention across rows (same log-probs). auto: where the model keeps rows apart."""
     # --- Health checks
     run_dir: str = "runs/grpo"
     health_window: int = Field(5, ge=1)

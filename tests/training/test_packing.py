@@ -121,3 +121,21 @@ def test_model_without_packed_mask_is_refused_under_true_and_padded_under_auto()
     assert use_packing(opt, "auto") is False and use_packing(opt, "false") is False
     with pytest.raises(ConfigError, match="packing: true: OPTForCausalLM's forward lets packed rows attend"):
         use_packing(opt, "true")
+
+
+def test_rows_pack_into_bins_of_the_longest_row_and_auto_packs_an_sdpa_model():
+    """First fit by decreasing length: every row of non-zero length in exactly one bin, no bin longer
+    than the longest row, and fewer sequences than rows when rows are short against the longest (the
+    point of packing); under auto an sdpa model that keeps rows apart is packed (bins cost no more
+    attention than the padded rows)."""
+    from grpolab.training.packing import pack_bins
+
+    lengths = [30, 4, 12, 0, 17, 9, 30, 2, 21]
+    bins = pack_bins(lengths)
+    flat = sorted(r for b in bins for r in b)
+    assert flat == [r for r, n in enumerate(lengths) if n > 0]
+    assert all(sum(lengths[r] for r in b) <= max(lengths) for b in bins)
+    assert len(bins) == 5  # 125 tokens in bins of 30: 5 at least, and first fit reaches it
+    model = build_tiny_model("tiny", seed=0)
+    assert model.config._attn_implementation == "sdpa"
+    assert use_packing(model, "auto") is True
