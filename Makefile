@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.grpolab-installed
 
-.PHONY: setup demo lint docs reference test test-vllm test-real test-vf04 test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async bench-packing bench-compile clean
+.PHONY: setup demo lint docs reference test test-slow test-vllm test-real test-vf04 test-scale test-browser browser real-model test-all bench bench-rollout bench-real bench-tta bench-async bench-packing bench-compile clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,8 +54,14 @@ docs: setup
 # --dist loadgroup: a module's tests that share a module-scoped fixture (a server, a run) go to one
 # worker (tests/conftest.py groups them), so the fixture is built once, not once per worker.
 TEST_WORKERS ?= 2
+LIGHT := --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser
 test: setup lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/vllm --ignore=tests/real --ignore=tests/scale --ignore=tests/browser $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(LIGHT) -m "not slow" $(ARGS)
+
+# The light directories' slow tests (@pytest.mark.slow: SIGKILL and resume of every trainer, hanging and dying
+# reward workers, a killed sampler process; minutes of real processes): part of test-all, not of make test.
+test-slow: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(LIGHT) -m slow $(ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -131,7 +137,7 @@ test-browser: setup browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/browser $(ARGS)
 
 # Every tier runs even when one fails; the target fails at the end, naming the tiers that did.
-TIERS := test test-vllm test-real test-scale test-browser
+TIERS := test test-slow test-vllm test-real test-scale test-browser
 test-all:
 	@failed=""; for tier in $(TIERS); do $(MAKE) --no-print-directory $$tier || failed="$$failed $$tier"; done; \
 	if [ -n "$$failed" ]; then echo "make test-all: failed:$$failed"; exit 1; fi; echo "make test-all: every tier passed"

@@ -9,6 +9,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup`` (make test): a module with a test that uses a module-scoped
+    fixture (a server, a background run, a batch of refused commands started together) is one xdist group,
+    all its tests on one worker in a row, so the fixture is made once, not once on each worker (or again
+    after another module's test ran in between); every other test is placed on its own. Without xdist
+    the marker does nothing."""
+    shared = set()
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            shared.add(item.nodeid.split("::")[0])
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module in shared:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     from grpolab.models.tiny import build_char_tokenizer

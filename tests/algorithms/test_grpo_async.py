@@ -113,6 +113,7 @@ def test_combinations_async_cannot_run_are_refused(overrides, message):
         GRPOConfig(max_staleness=1, **overrides)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_a_killed_sampler_process_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

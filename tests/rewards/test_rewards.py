@@ -197,6 +197,7 @@ def test_weighted_reward_logs_each_component():
     assert out["reward"] == 3.0 and out["domain"] == 1.0
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_reward_scorer_failures_score_zero_and_are_counted():
     for fn in (raising_reward, nan_reward, string_reward):
         scorer = RewardScorer(fn, timeout_s=5.0)

@@ -63,6 +63,7 @@ def r1(answer):
     return f"r</think> <answer>{answer}</answer>"
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_hanging_reward_times_out_and_the_scorer_stays_usable(rewards_module):
     for name in ("hang", "sleepy"):  # a busy loop and a blocking call: both killed
         with RewardScorer(f"{rewards_module}:{name}", timeout_s=1.0) as scorer:
@@ -76,6 +77,7 @@ def test_hanging_reward_times_out_and_the_scorer_stays_usable(rewards_module):
 
 
 @pytest.mark.parametrize("name,trigger,cause", [("die", "die", "exit code 3"), ("segfault", "segv", "SIGSEGV")])
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_a_dying_reward_is_an_error_event_not_the_end(rewards_module, name, trigger, cause):
     scorer = RewardScorer(f"{rewards_module}:{name}", timeout_s=10.0)
     out = scorer.score(["a", trigger, "b", trigger], [None] * 4)
@@ -86,6 +88,7 @@ def test_a_dying_reward_is_an_error_event_not_the_end(rewards_module, name, trig
     scorer.close()
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_restarts_are_capped_per_batch(rewards_module):
     with RewardScorer(f"{rewards_module}:die", timeout_s=10.0, max_restarts=2) as scorer:
         out = scorer.score(["die"] * 20, [None] * 20)

@@ -217,6 +217,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("grpolab:")]
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_a_live_run_directory_is_refused_to_a_second_run_resume_and_overwrite(tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen([*SFT, "--n-sft-steps", "100000", "--checkpoint-every", "2", "--keep-last", "1",

@@ -251,6 +251,7 @@ def grpo_full(tmp_path_factory):
     "dpo",
     "distill",
 ])
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_sigkill_then_resume_ends_with_the_uninterrupted_weights(trainer, tmp_path, request):
     if trainer == "grpo":  # the shared uninterrupted run, started in the background
         wait_full = request.getfixturevalue("grpo_full")
@@ -314,6 +315,7 @@ def test_leftovers_of_interrupted_writes_are_removed_and_overwrite_replaces_the_
 # ---------------------------------------------------------------- 2. a directory that holds a run
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_a_fresh_run_into_a_directory_that_holds_a_run_is_refused_and_touches_nothing(grpo_full, tmp_path):
     full = grpo_full()
     dirs = {name: tmp_path / name for name in ("metrics", "checkpoints", "final")}
@@ -411,6 +413,7 @@ def test_truncated_newest_checkpoints_are_skipped_and_the_run_completes(grpo_ful
 # ---------------------------------------------------------------- 5. rewards that hang or crash
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: minutes of real processes
 def test_a_hanging_or_crashing_reward_neither_stalls_nor_ends_the_run(tmp_path):
     def cmd(reward: str, run_dir: Path) -> list[str]:
         return grpolab(
