@@ -178,7 +178,9 @@ def test_a_reward_worker_has_the_memory_limit(tmp_path, monkeypatch):
         "def hog(response, gt):\n    b = bytearray(int(response) << 20)\n    return {'reward': 1.0}\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with RewardScorer("hog_reward_mod:hog", timeout_s=30, memory_limit_mb=512) as scorer:
+    # 1 GiB: room for the worker's own imports (its reward loader failed to import under 512 MB once, in a
+    # busy make test on a 2-core AVX2 EPYC), far below the 6000 MB the second call asks for
+    with RewardScorer("hog_reward_mod:hog", timeout_s=30, memory_limit_mb=1024) as scorer:
         scores = scorer.score(["16", "6000"], [None, None])
     assert scores[0]["reward"] == 1.0 and scores[1]["reward"] == 0.0
     assert scorer.errors == 1 and "MemoryError" in scorer.last_error
