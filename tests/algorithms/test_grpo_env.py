@@ -103,6 +103,7 @@ def test_unknown_env_keys_and_a_missing_corpus_are_one_line_errors(grpo_config, 
         train_grpo(cfg)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_eval_with_an_env_file_reports_tool_use_and_bad_files_are_one_line_errors(tmp_path):
     from tests.training.test_run import Proc, grpolab
 

@@ -83,6 +83,7 @@ def test_tool_demonstrations_replay_the_live_tool_and_train_only_the_models_toke
     assert not all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, unmasked))
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_sft_with_an_env_learns_to_call_the_tool(tmp_path):
     from grpolab.envs import EnvBackend, build_env
     from grpolab.models import load_model_and_tokenizer

@@ -53,6 +53,7 @@ def test_every_boolean_takes_flag_true_and_false():
     assert boolean_flag_values(["sft", "--run-dir", "true"]) == ["sft", "--run-dir", "true"]  # not a flag: untouched
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_overwrite_true_and_false_on_the_command_line(tmp_path):
     data = _pairs(tmp_path)
     run = [sys.executable, "-m", "grpolab", "sft", "--model", "embedded:tiny", "--train-data", str(data),

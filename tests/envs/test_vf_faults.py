@@ -61,6 +61,7 @@ def test_V03_sys_exit_in_load_environment_is_one_line():
         load_vf_environment(BROKEN_ENV, {"kind": "exit0"})
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_V07_a_load_environment_that_never_returns_is_a_timeout_and_one_that_exits_is_one_line():
     """V07 and V03: the environment is first built in a supervised child: a hang is a timeout, an
     ``os._exit`` the death of that child, each one line naming the environment."""
@@ -72,6 +73,7 @@ def test_V07_a_load_environment_that_never_returns_is_a_timeout_and_one_that_exi
 
 
 @pytest.mark.parametrize("kind, load_args", [("osexit", {}), ("exit0", {}), ("sleep", {"load_timeout_s": 8})])
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_V03_V07_the_cli_exits_2_with_one_line(tmp_path, kind, load_args):
     """V03/V07 through ``grpolab grpo``: exit 2, one line, and no run directory (it exited 0 silently)."""
     model = chat_model_dir(tmp_path / "m")

@@ -52,6 +52,7 @@ def test_a_v1_taskset_is_the_task_and_its_rewards_the_reward():
         VerifiersTask(SUM_V1, {"n": "many"})
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_a_grpo_run_on_a_v1_taskset_trains_and_grpolab_eval_reports_it(tmp_path):
     cfg = GRPOConfig(model=str(chat_model_dir(tmp_path / "m")), env={"verifiers": SUM_V1, "args": {"n": 64}},
                      n_grpo_steps=3, rollout_batch_size=8, group_size=4, train_batch_size=8,

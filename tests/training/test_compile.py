@@ -82,6 +82,7 @@ def test_compile_field_turns_it_on_or_refuses_in_one_line(grpo_config):
         compiled_layers(grpo_config(compile=True, gradient_checkpointing=True), model, cpu)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_a_grpo_run_with_compile_true_runs_every_trainer_forward_compiled(grpo_config):
     """Through train_grpo: the policy's update (with gradients), its old log-probs (off-policy: two epochs) and
     the reference's (kl_coef > 0) all run the compiled layers, and the run trains (finite loss, weights moved)."""

@@ -196,6 +196,7 @@ def test_a_freed_big_block_is_reused_without_page_faults_once_memory_is_kept(how
     assert kept <= default // 2, (kept, default)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_a_malloc_setting_in_the_environment_wins_over_keep_freed_memory(glibc_faults, tmp_path):
     """``grpolab plan``'s check sets ``MALLOC_MMAP_THRESHOLD_`` so that RSS measures live memory: a run
     given it (or ``GLIBC_TUNABLES``) leaves glibc as the environment set it, every big block fresh pages."""

@@ -279,6 +279,7 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_weights(trainer, tmp_pa
         assert_same_tensors(full_dir / "final" / "value_head.safetensors", killed / "final" / "value_head.safetensors")
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_leftovers_of_interrupted_writes_are_removed_and_overwrite_replaces_the_run(grpo_full, tmp_path):
     full = grpo_full()
 
@@ -355,6 +356,7 @@ def test_invalid_input_for_an_existing_run_dir_exits_2_and_leaves_it_untouched(g
 # ---------------------------------------------------------------- 3. config changes on resume
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_resume_refuses_a_changed_learning_rate_and_may_extend_the_run(grpo_full, tmp_path):
     full = grpo_full()
     refused_dir, extended_dir = copy_run(full, tmp_path / "refused"), copy_run(full, tmp_path / "extended")
@@ -387,6 +389,7 @@ def test_resume_refuses_fewer_steps_than_the_run_has_done(grpo_full, tmp_path):
 # ---------------------------------------------------------------- 4. a truncated newest checkpoint
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_truncated_newest_checkpoints_are_skipped_and_the_run_completes(grpo_full, tmp_path):
     """As if killed after step 3's checkpoint, and the disk then lost half of step 3's weights and
     half of step 2's trainer state: resume skips both (saying which and why), falls back to step 1,
@@ -500,6 +503,7 @@ def _has_record(run_dir: Path, key: str) -> bool:
     return path.exists() and f'"{key}"' in path.read_text()
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_ctrl_c_checkpoints_the_step_and_hints_resume_a_second_ctrl_c_stops_at_once(tmp_path):
     def cmd(run_dir: Path, *extra) -> list[str]:
         return grpolab("grpo", "--rollout-batch-size", "8", "--group-size", "4", "--train-batch-size", "8",
