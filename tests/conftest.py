@@ -16,6 +16,8 @@ def pytest_collection_modifyitems(config, items):
     all its tests on one worker in a row, so the fixture is made once, not once on each worker (or again
     after another module's test ran in between); every other test is placed on its own. Without xdist
     the marker does nothing."""
+    if not config.pluginmanager.hasplugin("xdist"):  # e.g. .venv-vf04's pytest: no such marker to set
+        return
     shared = set()
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
