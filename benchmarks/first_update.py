@@ -128,22 +128,6 @@ def grpolab_side(args, tta) -> dict:
     return out
 
 
-def trl_config(cfg, args, dtype: str, out_dir: str):
-    """TRL's GRPOConfig for one step, as real_tta.py's trl_worker sets it (max_steps 1)."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=cfg.train_batch_size // cfg.gradient_accumulation_steps,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.group_size,
-        max_completion_length=cfg.sampling_max_tokens, temperature=cfg.sampling_temperature, top_p=1.0,
-        generation_kwargs={"min_new_tokens": cfg.sampling_min_tokens}, learning_rate=cfg.learning_rate,
-        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=0.0, loss_type="grpo",
-        scale_rewards="group", num_iterations=1, max_steps=1, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, bf16=dtype == "bfloat16", seed=args.seed,
-        shuffle_dataset=True, disable_dropout=True, disable_tqdm=True)
-
-
 def trl_side(args, tta, g: dict) -> dict:
     """TRL's GRPOTrainer, configured as real_tta.py's trl_worker, for one step on grpolab's rollouts."""
     from datasets import Dataset
@@ -208,7 +192,7 @@ def trl_side(args, tta, g: dict) -> dict:
 
     data = Dataset.from_dict({"prompt": prompts})
     with tempfile.TemporaryDirectory() as out_dir:
-        trl_cfg = trl_config(cfg, args, dtype, out_dir)
+        trl_cfg = tta.trl_config(cfg, args.seed, dtype, out_dir, max_steps=1)
         trainer = Capturing(model=model, reward_funcs=[reward], args=trl_cfg, train_dataset=data,
                             processing_class=tok)
         trainer.train()

@@ -182,12 +182,29 @@ def grpolab_worker(args) -> dict:
             "response_length": sum(lengths) / max(1, len(lengths))}
 
 
+def trl_config(cfg, seed: int, dtype: str, out_dir: str, max_steps: int):
+    """TRL 1.16's GRPOConfig for grpolab's ``cfg`` (the same algorithm: no KL, group-scaled rewards, one
+    iteration, constant lr, no warm-up), as the comparison runs it; benchmarks/first_update.py uses it too."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=cfg.train_batch_size // cfg.gradient_accumulation_steps,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.group_size,
+        max_completion_length=cfg.sampling_max_tokens, temperature=cfg.sampling_temperature, top_p=1.0,
+        generation_kwargs={"min_new_tokens": cfg.sampling_min_tokens}, learning_rate=cfg.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=0.0, loss_type="grpo",
+        scale_rewards="group", num_iterations=1, max_steps=max_steps, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, bf16=dtype == "bfloat16", seed=seed,
+        shuffle_dataset=True, disable_dropout=True, disable_tqdm=True)  # no bar among the meter's lines
+
+
 def trl_worker(args) -> dict:
     """TRL's ``GRPOTrainer`` with the config's settings; the meter runs from a ``TrainerCallback``."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from grpolab.training.inputs import load_inputs
     from grpolab.training.resources import choose_dtype, model_shape
@@ -222,16 +239,7 @@ def trl_worker(args) -> dict:
             meter.after_step(model, state.global_step * per_step)
 
     with tempfile.TemporaryDirectory() as out:
-        trl_cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=cfg.train_batch_size // cfg.gradient_accumulation_steps,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.group_size,
-            max_completion_length=cfg.sampling_max_tokens, temperature=cfg.sampling_temperature, top_p=1.0,
-            generation_kwargs={"min_new_tokens": cfg.sampling_min_tokens}, learning_rate=cfg.learning_rate,
-            lr_scheduler_type="constant", warmup_steps=0, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-            weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=0.0, loss_type="grpo",
-            scale_rewards="group", num_iterations=1, max_steps=args.samples // per_step, logging_steps=1,
-            save_strategy="no", report_to="none", use_cpu=True, bf16=dtype == "bfloat16", seed=args.seed,
-            shuffle_dataset=True, disable_dropout=True, disable_tqdm=True)  # no bar among the meter's lines
+        trl_cfg = trl_config(cfg, args.seed, dtype, out, args.samples // per_step)
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=trl_cfg, train_dataset=data,
                               processing_class=tok, callbacks=[Metered()])
         setup_s = time.perf_counter() - t_setup
