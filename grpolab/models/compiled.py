@@ -57,6 +57,17 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def cpu_build_refusal(model: Any) -> str | None:
+    """Why inductor cannot build CPU kernels for ``model`` here, or None: with torch's vector kernels
+    off (``ATEN_CPU_CAPABILITY=default``) inductor still emits vectorised C++ for the CPU it detects,
+    which does not compile (``at::vec`` undeclared)."""
+    params = next(iter(model.parameters()), None)
+    on_cpu = params is None or params.device.type == "cpu"
+    if on_cpu and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX"):
+        return "torch runs without CPU vector kernels here (ATEN_CPU_CAPABILITY=default): inductor cannot build"
+    return None
+
+
 def compile_refusal(model: Any, *, gradient_checkpointing: bool = False, engine: str = "none") -> str | None:
     """Why ``CompiledLayers`` cannot serve ``model`` (one line), or None when it can."""
     layers = decoder_layers(model)
@@ -64,6 +75,8 @@ def compile_refusal(model: Any, *, gradient_checkpointing: bool = False, engine:
         return f"{type(model).__name__} has no list of repeated decoder layers to compile"
     if any("forward" in layer.__dict__ for layer in layers):
         return "its decoder layers already carry an instance forward (another wrapper)"
+    if (why := cpu_build_refusal(model)) is not None:
+        return why
     if gradient_checkpointing:
         return "gradient_checkpointing is on (the checkpoint would wrap the compiled block)"
     if engine not in ("none", "ddp"):
