@@ -183,6 +183,7 @@ def test_a_context_template_without_retrieval_and_retrieval_without_one_are_one_
         GRPOConfig.build(overrides={"retrieval": {"top_k": 2}})
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_eval_with_a_rag_corpus_fills_context_and_without_one_says_so(tmp_path):
     from grpolab.data import get_task
     from tests.training.test_run import Proc, grpolab

@@ -212,7 +212,12 @@ def _chain_id(chain) -> str:
     return f"{Path(page).stem}:{Path(argv[argv.index('--config') + 1]).stem if '--config' in argv else argv[1]}"
 
 
-@pytest.mark.parametrize("chain", CHAINS, ids=[_chain_id(chain) for chain in CHAINS])
+# Chains of whole multi-process runs (torchrun's two ranks): make test-slow (test-all), not make test.
+SLOW_CHAINS = {"scaling:grpo_tiny"}
+
+
+@pytest.mark.parametrize("chain", [pytest.param(chain, marks=[pytest.mark.slow] * (_chain_id(chain) in SLOW_CHAINS))
+                                   for chain in CHAINS], ids=[_chain_id(chain) for chain in CHAINS])
 def test_commands_work_as_printed(chain, tmp_path):
     """The pages' commands in reading order, each distinct one once, as printed plus only the small
     step counts: exit code 0, and the run directory, final model, metrics or files it prints exist.

@@ -26,6 +26,7 @@ def _recompute(model_dir, summary, run_dir):
         return evaluate_modes(model, tok, env, test, scorer, sampling, summary["seed"] + 12345)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_tools_demo_runs_end_to_end_and_reports_the_saved_models(tmp_path):
     lines = []
     summary = run_tools_demo(tmp_path / "demo", seed=0, sft_steps=4, grpo_steps=2, test_examples=6,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from grpolab.algorithms.grpo import train_grpo
 from grpolab.algorithms.rm import RMConfig, pairwise_accuracy, train_rm
 from grpolab.data import get_task
@@ -26,6 +28,7 @@ def coin_reaches(k: int, n: int = N_TEST) -> float:
 ABOVE_CHANCE = next(k for k in range(N_TEST + 1) if coin_reaches(k) < 1e-3)  # 232 of 400 (58 %)
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_a_reward_model_trained_on_task_pairs_ranks_held_out_pairs_and_drives_grpo(tmp_path, grpo_config):
     cfg = RMConfig(model="embedded:tiny", task="arithmetic", task_options=OPTIONS, n_rm_steps=100, train_batch_size=16,
                    learning_rate=3e-3, warmup_steps=10, lr_schedule="cosine", task_train_size=400, eval_pairs=32,

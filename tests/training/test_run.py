@@ -334,6 +334,7 @@ def test_a_fresh_run_into_a_directory_that_holds_a_run_is_refused_and_touches_no
         assert snapshot(d) == before[name], f"{name}: the refused run changed the directory"
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_invalid_input_for_an_existing_run_dir_exits_2_and_leaves_it_untouched(grpo_full, tmp_path):
     """With --overwrite, the dangerous case: every input is checked before the old run is removed."""
     full = grpo_full()
@@ -378,6 +379,7 @@ def test_resume_refuses_a_changed_learning_rate_and_may_extend_the_run(grpo_full
     assert_some_tensor_differs(full / "final" / "model.safetensors", extended_dir / "final" / "model.safetensors")
 
 
+@pytest.mark.slow  # make test-slow (test-all), not make test: a whole run or CLI process
 def test_resume_refuses_fewer_steps_than_the_run_has_done(grpo_full, tmp_path):
     run_dir = copy_run(grpo_full(), tmp_path / "run")
     before = snapshot(run_dir)
