@@ -212,8 +212,9 @@ def _chain_id(chain) -> str:
     return f"{Path(page).stem}:{Path(argv[argv.index('--config') + 1]).stem if '--config' in argv else argv[1]}"
 
 
-# Chains of whole multi-process runs (torchrun's two ranks): make test-slow (test-all), not make test.
-SLOW_CHAINS = {"scaling:grpo_tiny"}
+# Chains of 15 s or more besides the README's own (torchrun's two ranks, two CS336 runs and a view, a
+# reasoning-gym run): make test-slow (test-all), not make test.
+SLOW_CHAINS = {"scaling:grpo_tiny", "cs336:grpo_learning_rate", "reasoning-gym:grpo"}
 
 
 @pytest.mark.parametrize("chain", [pytest.param(chain, marks=[pytest.mark.slow] * (_chain_id(chain) in SLOW_CHAINS))
