@@ -144,10 +144,7 @@ def trl_side(args, tta, g: dict) -> dict:
     for r in rollouts:
         queue[tok.decode(r.prompt_ids)].append(list(r.response_ids))
     by_text = {(r.prompt, r.response): reward for r, reward in zip(rollouts, g["rewards"])}
-    newline_ids = [i for i in range(len(tok)) if "\n" in tok.decode([i])]
-    ends = model.generation_config.eos_token_id
-    ends = [ends] if isinstance(ends, int) else list(ends or [])
-    model.generation_config.eos_token_id = sorted({tok.eos_token_id, *ends, *newline_ids})
+    tta.end_at_newline(model, tok)
     pad = model.generation_config.pad_token_id
     pad = tok.pad_token_id if pad is None else pad
     seen: dict = {"completions": [], "rewards": []}

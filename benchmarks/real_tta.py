@@ -199,6 +199,15 @@ def trl_config(cfg, seed: int, dtype: str, out_dir: str, max_steps: int):
         shuffle_dataset=True, disable_dropout=True, disable_tqdm=True)  # no bar among the meter's lines
 
 
+def end_at_newline(model, tok) -> None:
+    """A TRL response ends at its first newline, as grpolab's stop string ends it: every token whose text
+    holds one becomes an end id of ``model.generation_config`` (TRL's completion mask ends there)."""
+    newline_ids = [i for i in range(len(tok)) if "\n" in tok.decode([i])]
+    ends = model.generation_config.eos_token_id
+    ends = [ends] if isinstance(ends, int) else list(ends or [])
+    model.generation_config.eos_token_id = sorted({tok.eos_token_id, *ends, *newline_ids})
+
+
 def trl_worker(args) -> dict:
     """TRL's ``GRPOTrainer`` with the config's settings; the meter runs from a ``TrainerCallback``."""
     import torch
@@ -220,11 +229,7 @@ def trl_worker(args) -> dict:
     inputs = load_inputs(cfg, tok)
     data = Dataset.from_dict({"prompt": [inputs.template.format(e.question) for e in inputs.train],
                               "gt": [json.dumps(e.answer) for e in inputs.train]})
-    # a response ends at its first newline (grpolab's stop string): every token whose text holds one is an end id
-    newline_ids = [i for i in range(len(tok)) if "\n" in tok.decode([i])]
-    ends = model.generation_config.eos_token_id
-    ends = [ends] if isinstance(ends, int) else list(ends or [])
-    model.generation_config.eos_token_id = sorted({tok.eos_token_id, *ends, *newline_ids})
+    end_at_newline(model, tok)
     meter = Meter(cfg, tok, args.eval_n, args.eval_every, args.samples, autocast_dtype_of(dtype))
 
     def reward(prompts, completions, gt, **kwargs):  # the config's reward, scored as grpolab's run scores it

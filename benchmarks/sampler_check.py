@@ -7,8 +7,8 @@ SmolLM2-135M-Instruct, it samples ``--questions`` x ``--n`` replies twice:
 
 - grpolab: ``HFRolloutBackend.generate`` (the fast decoder the GRPO run uses), T, top-p 1, 1-24 new
   tokens, stop at the first newline;
-- TRL: ``model.generate`` with the ``GenerationConfig`` TRL 1.16's ``GRPOTrainer`` builds for
-  ``real_tta.trl_config`` (every token holding a newline an end id, ``min_new_tokens`` 1);
+- TRL: ``model.generate`` with the ``GenerationConfig`` and end ids of a TRL 1.16 ``GRPOTrainer`` built
+  from ``real_tta.trl_config`` (every token holding a newline an end id, ``min_new_tokens`` 1);
 
 and prints, for each, the reward rate (mean and standard error over questions), the share of groups with
 a reward variance (the groups that train), the mean reply length, and for grpolab the largest difference
@@ -67,15 +67,19 @@ def grpolab_side(model, tok, prompts, answers, scorer, cfg, n, seed):
 
 
 def trl_side(model, tok, prompts, answers, scorer, cfg, n, seed):
-    import torch
-    from transformers import GenerationConfig
+    import tempfile
 
-    newline_ids = [i for i in range(len(tok)) if "\n" in tok.decode([i])]
-    ends = sorted({tok.eos_token_id, 2, *newline_ids})
-    gen = GenerationConfig(max_new_tokens=cfg.sampling_max_tokens, do_sample=True, pad_token_id=tok.pad_token_id,
-                           bos_token_id=tok.bos_token_id, eos_token_id=ends, temperature=cfg.sampling_temperature,
-                           top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
-                           min_new_tokens=cfg.sampling_min_tokens, disable_compile=True)
+    import real_tta
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    real_tta.end_at_newline(model, tok)
+    with tempfile.TemporaryDirectory() as out:  # TRL's own GenerationConfig and end ids, not a copy of them
+        trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=real_tta.trl_config(cfg, seed, "float32", out, max_steps=1),
+                              train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    gen, ends = trainer.generation_config, list(trainer.eos_token_ids)
     torch.manual_seed(seed)
     tok.padding_side = "left"
     if tok.pad_token is None:

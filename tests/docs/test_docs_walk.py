@@ -215,6 +215,7 @@ def _chain_id(chain) -> str:
 # Chains of 15 s or more besides the README's own (torchrun's two ranks, two CS336 runs and a view, a
 # reasoning-gym run): make test-slow (test-all), not make test.
 SLOW_CHAINS = {"scaling:grpo_tiny", "cs336:grpo_learning_rate", "reasoning-gym:grpo"}
+assert SLOW_CHAINS <= {_chain_id(chain) for chain in CHAINS}, "a slow chain's name no longer names a chain"
 
 
 @pytest.mark.parametrize("chain", [pytest.param(chain, marks=[pytest.mark.slow] * (_chain_id(chain) in SLOW_CHAINS))

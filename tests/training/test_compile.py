@@ -19,7 +19,7 @@ from grpolab.training.run_model import compiled_layers
 
 @pytest.fixture(autouse=True)
 def _inductor_builds_here():
-    why = cpu_build_refusal(build_tiny_model("tiny"))
+    why = cpu_build_refusal(torch.nn.Linear(1, 1))  # the CPU's capability: any CPU module asks the same
     if why is not None:
         pytest.skip(f"compile: {why}")
 
